@@ -1,0 +1,685 @@
+// pybmoe: device-resident LRU cache of host-resident MoE experts. See llama-moe-cache.h.
+
+#include "llama-moe-cache.h"
+
+#include "llama-impl.h"
+#include "llama-model.h"
+#include "llama-model-loader.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "ggml-cpp.h"
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <cstdarg>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#if defined(_WIN32)
+#define llama_moe_fseek _fseeki64
+#else
+#define llama_moe_fseek fseeko
+#endif
+
+namespace {
+
+constexpr int LLAMA_MOE_N_PROJ = 3; // up, gate, down
+
+enum llama_moe_slot_state : uint8_t {
+    LLAMA_MOE_SLOT_FREE,
+    LLAMA_MOE_SLOT_UPLOADING, // written by the worker; no table entry points here
+    LLAMA_MOE_SLOT_RESIDENT,
+};
+
+struct llama_moe_source {
+    uint16_t file;    // index into llama_moe_cache::paths
+    size_t   offs;    // tensor data offset in that file
+    size_t   nbytes;  // whole tensor
+};
+
+struct llama_moe_upload {
+    int32_t layer; // index into llama_moe_cache::layers
+    int32_t expert;
+    int32_t slot;
+};
+
+} // namespace
+
+struct llama_moe_cache_layer {
+    int32_t il        = -1;
+    int32_t n_expert  = 0;
+    int32_t n_used    = 0;
+    int32_t n_slots   = 0;
+
+    // the host tensors this layer caches (key for graph building)
+    const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
+    llama_moe_source    src [LLAMA_MOE_N_PROJ] = {};
+    size_t              expert_nbytes[LLAMA_MOE_N_PROJ] = {}; // one expert's slice of each tensor
+
+    // companions: device (router's buffer type) and host
+    ggml_tensor * slots[LLAMA_MOE_N_PROJ] = {}; // [ne0, ne1, n_slots + 1]
+    ggml_tensor * dev_table  = nullptr;         // I32 [1, n_expert]
+    ggml_tensor * host_table = nullptr;         // I32 [n_expert]
+    ggml_tensor * observed   = nullptr;         // I32 [n_used * max_batch], -1 = not written
+
+    // LRU state (host only; the tables above are published copies of `table`)
+    std::vector<int32_t>  table;       // [n_expert] expert -> slot, n_slots = not resident
+    std::vector<int32_t>  slot_expert; // [n_slots]  -1 when free
+    std::vector<uint64_t> slot_used;   // [n_slots]  step of last use
+    std::vector<uint8_t>  slot_state;  // [n_slots]  llama_moe_slot_state
+    std::vector<int32_t>  misses_now;  // experts missed in the last observed step, in router order
+    uint64_t last_step = 0;            // step of misses_now
+    bool     dirty     = false;        // table changed since the last publish
+
+    uint64_t hits   = 0;
+    uint64_t misses = 0;
+
+    size_t expert_bytes() const {
+        return expert_nbytes[0] + expert_nbytes[1] + expert_nbytes[2];
+    }
+};
+
+struct llama_moe_cache {
+    // sources, recorded at load
+    std::vector<std::string> paths;
+    std::map<std::string, llama_moe_source> sources;
+
+    // configuration
+    int32_t n_slots   = 0;
+    int32_t n_inserts = 0;
+    int32_t max_batch = 1;
+
+    std::vector<llama_moe_cache_layer> layers;
+    std::vector<int32_t> layer_of_il; // model layer -> index into layers, -1 when not cached
+
+    ggml_context_ptr         host_ctx;
+    ggml_backend_buffer_ptr  host_buf;
+    uint64_t alloc_bytes = 0;
+
+    // step state
+    mutable std::mutex mutex;
+    uint64_t step = 0;
+    uint64_t n_steps = 0;
+    uint64_t uploads = 0;
+    uint64_t upload_bytes = 0;
+    std::vector<llama_moe_upload> in_flight; // enqueued at the last step, published at the next
+
+    // upload worker
+    std::thread worker;
+    std::mutex  q_mutex;
+    std::condition_variable q_cv;
+    std::condition_variable q_done_cv;
+    std::deque<llama_moe_upload> queue;
+    int32_t q_busy = 0;
+    bool    q_stop = false;
+    std::vector<FILE *> files;
+    std::vector<uint8_t> staging;
+
+    bool enabled() const {
+        return n_slots > 0 && !layers.empty();
+    }
+
+    ~llama_moe_cache() {
+        stop_worker();
+        for (FILE * f : files) {
+            if (f) {
+                fclose(f);
+            }
+        }
+    }
+
+    void stop_worker() {
+        if (!worker.joinable()) {
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> lock(q_mutex);
+            q_stop = true;
+        }
+        q_cv.notify_all();
+        worker.join();
+    }
+
+    void enqueue(const llama_moe_upload & u) {
+        {
+            std::lock_guard<std::mutex> lock(q_mutex);
+            queue.push_back(u);
+        }
+        q_cv.notify_one();
+    }
+
+    void wait_uploads() {
+        std::unique_lock<std::mutex> lock(q_mutex);
+        q_done_cv.wait(lock, [&] { return queue.empty() && q_busy == 0; });
+    }
+
+    // worker thread: copies one expert's GGUF bytes into a slot of each companion tensor
+    void worker_main() {
+        for (;;) {
+            llama_moe_upload u;
+            {
+                std::unique_lock<std::mutex> lock(q_mutex);
+                q_cv.wait(lock, [&] { return q_stop || !queue.empty(); });
+                if (q_stop) {
+                    return;
+                }
+                u = queue.front();
+                queue.pop_front();
+                q_busy++;
+            }
+            upload(u);
+            {
+                std::lock_guard<std::mutex> lock(q_mutex);
+                q_busy--;
+            }
+            q_done_cv.notify_all();
+        }
+    }
+
+    void upload(const llama_moe_upload & u) {
+        const llama_moe_cache_layer & l = layers[u.layer];
+        for (int p = 0; p < LLAMA_MOE_N_PROJ; ++p) {
+            const size_t n = l.expert_nbytes[p];
+            staging.resize(n);
+            FILE * f = files[l.src[p].file];
+            const size_t offs = l.src[p].offs + (size_t) u.expert * n;
+            if (llama_moe_fseek(f, (long long) offs, SEEK_SET) != 0 || fread(staging.data(), 1, n, f) != n) {
+                // note: the slot stays zero, so the output would be wrong; this is unrecoverable
+                GGML_ABORT("moe-cache: cannot read %zu bytes at offset %zu of %s", n, offs, paths[l.src[p].file].c_str());
+            }
+            ggml_backend_tensor_set(l.slots[p], staging.data(), (size_t) u.slot * l.slots[p]->nb[2], n);
+        }
+    }
+};
+
+namespace {
+
+void llama_moe_log_once(const char * key, const char * fmt, ...) {
+    static std::mutex m;
+    static std::map<std::string, bool> seen;
+    {
+        std::lock_guard<std::mutex> lock(m);
+        if (seen[key]) {
+            return;
+        }
+        seen[key] = true;
+    }
+    char buf[512];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, args);
+    va_end(args);
+    LLAMA_LOG_INFO("moe-cache: %s\n", buf);
+}
+
+bool llama_moe_buft_is_host(ggml_backend_buffer_type_t buft) {
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    return dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU || ggml_backend_buft_is_host(buft);
+}
+
+// consume the routing the last graph wrote into the observed tensors
+void llama_moe_account(llama_moe_cache & mc) {
+    bool any = false;
+    for (auto & l : mc.layers) {
+        int32_t * obs = (int32_t *) l.observed->data;
+        const int64_t n = ggml_nelements(l.observed);
+        if (obs[0] < 0) {
+            continue;
+        }
+        any = true;
+        l.misses_now.clear();
+        l.last_step = mc.step;
+        for (int64_t i = 0; i < n && obs[i] >= 0; ++i) {
+            const int32_t e = obs[i];
+            GGML_ASSERT(e < l.n_expert);
+            const int32_t s = l.table[e];
+            if (s < l.n_slots) {
+                l.hits++;
+                l.slot_used[s] = mc.step;
+            } else {
+                l.misses++;
+                if (std::find(l.misses_now.begin(), l.misses_now.end(), e) == l.misses_now.end()) {
+                    l.misses_now.push_back(e);
+                }
+            }
+        }
+        std::fill(obs, obs + n, -1);
+    }
+    if (any) {
+        mc.n_steps++;
+        mc.step++;
+    }
+}
+
+void llama_moe_publish(llama_moe_cache & mc) {
+    for (auto & l : mc.layers) {
+        if (!l.dirty) {
+            continue;
+        }
+        memcpy(l.host_table->data, l.table.data(), l.table.size()*sizeof(int32_t));
+        ggml_backend_tensor_set(l.dev_table, l.table.data(), 0, l.table.size()*sizeof(int32_t));
+        l.dirty = false;
+    }
+}
+
+void llama_moe_schedule(llama_moe_cache & mc) {
+    for (size_t li = 0; li < mc.layers.size(); ++li) {
+        auto & l = mc.layers[li];
+        int32_t budget = mc.n_inserts > 0 ? mc.n_inserts : l.n_slots;
+        for (int32_t e : l.misses_now) {
+            if (budget == 0) {
+                break;
+            }
+            // victim: a free slot, else the least recently used resident slot not used in the last step
+            int32_t victim = -1;
+            for (int32_t s = 0; s < l.n_slots; ++s) {
+                if (l.slot_state[s] == LLAMA_MOE_SLOT_FREE) {
+                    victim = s;
+                    break;
+                }
+                if (l.slot_state[s] == LLAMA_MOE_SLOT_RESIDENT && l.slot_used[s] < l.last_step &&
+                        (victim < 0 || l.slot_used[s] < l.slot_used[victim])) {
+                    victim = s;
+                }
+            }
+            if (victim < 0) {
+                break;
+            }
+            if (l.slot_state[victim] == LLAMA_MOE_SLOT_RESIDENT) {
+                l.table[l.slot_expert[victim]] = l.n_slots;
+                l.dirty = true;
+            }
+            l.slot_state[victim]  = LLAMA_MOE_SLOT_UPLOADING;
+            l.slot_expert[victim] = e;
+            l.slot_used[victim]   = l.last_step;
+            mc.in_flight.push_back({ (int32_t) li, e, victim });
+            budget--;
+        }
+        l.misses_now.clear();
+    }
+}
+
+} // namespace
+
+//
+// load-time
+//
+
+void llama_moe_cache_record_sources(llama_model & model, const llama_model_loader & ml, const std::vector<std::string> & paths) {
+    if (paths.empty() || paths[0].empty()) {
+        return; // loaded from a FILE * or from metadata: no source; init reports it
+    }
+    auto * mc = model.moe_cache ? model.moe_cache : new llama_moe_cache();
+    model.moe_cache = mc;
+    mc->paths = paths;
+    for (const auto & [name, w] : ml.weights_map) {
+        if (name.find("_exps.weight") != std::string::npos) {
+            mc->sources[name] = { w.idx, w.offs, ggml_nbytes(w.tensor) };
+        }
+    }
+}
+
+void llama_moe_cache_free(llama_moe_cache * mc) {
+    delete mc;
+}
+
+int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t n_inserts) {
+    if (n_slots < 0 || n_inserts < 0) {
+        LLAMA_LOG_ERROR("%s: moe-cache: slots (%d) and inserts (%d) must be >= 0\n", __func__, n_slots, n_inserts);
+        return -1;
+    }
+    if (n_slots == 0) {
+        return 0;
+    }
+    const auto & hp = model->hparams;
+    if (hp.n_expert == 0) {
+        LLAMA_LOG_INFO("%s: moe-cache: model has no MoE layers; --moe-expert-cache %d is inert\n", __func__, n_slots);
+        return 0;
+    }
+    if (hp.no_alloc) {
+        return 0; // memory-estimation load (--fit probe): no buffers to cache into
+    }
+    llama_moe_cache * mc = model->moe_cache;
+    if (mc == nullptr || mc->paths.empty()) {
+        LLAMA_LOG_ERROR("%s: moe-cache: requested %d slots but the model was not loaded from a GGUF file path, "
+                "so expert bytes have no source; the cache is OFF\n", __func__, n_slots);
+        return -1;
+    }
+    if (mc->enabled()) {
+        LLAMA_LOG_ERROR("%s: moe-cache: already initialized with %d slots\n", __func__, mc->n_slots);
+        return -1;
+    }
+    const int32_t n_expert = (int32_t) hp.n_expert;
+    const int32_t n_used   = (int32_t) hp.n_expert_used();
+    if (n_slots > n_expert) {
+        LLAMA_LOG_INFO("%s: moe-cache: %d slots > %d experts per layer, clamped to %d\n", __func__, n_slots, n_expert, n_expert);
+        n_slots = n_expert;
+    }
+
+    // which layers can be cached
+    std::map<ggml_backend_buffer_type_t, std::vector<int>> by_buft;
+    int n_moe = 0;
+    for (int il = 0; il < (int) model->layers.size(); ++il) {
+        const auto & layer = model->layers[il];
+        const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = { layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps };
+        if (layer.ffn_gate_inp == nullptr || (exps[0] == nullptr && layer.ffn_gate_up_exps == nullptr)) {
+            continue;
+        }
+        n_moe++;
+        if (layer.ffn_gate_up_exps || !exps[0] || !exps[1] || !exps[2]) {
+            llama_moe_log_once("fused", "layer %d: fused gate_up experts are not cached yet (stock graph)", il);
+            continue;
+        }
+        if (layer.ffn_up_exps_s || layer.ffn_gate_exps_s || layer.ffn_down_exps_s ||
+            layer.ffn_up_exps_b || layer.ffn_gate_exps_b || layer.ffn_down_exps_b) {
+            llama_moe_log_once("scales", "layer %d: experts with per-expert scales or biases are not cached yet (stock graph)", il);
+            continue;
+        }
+        if (!llama_moe_buft_is_host(ggml_backend_buffer_get_type(exps[0]->buffer))) {
+            continue; // experts already on a device
+        }
+        ggml_backend_buffer_type_t rbuft = ggml_backend_buffer_get_type(layer.ffn_gate_inp->buffer);
+        if (llama_moe_buft_is_host(rbuft)) {
+            llama_moe_log_once("router-host", "layer %d: router is in host memory (%s), nothing to cache it on",
+                    il, ggml_backend_buft_name(rbuft));
+            continue;
+        }
+        bool ok = true;
+        for (auto * t : exps) {
+            ok = ok && mc->sources.count(ggml_get_name(t)) && t->ne[2] == n_expert;
+        }
+        if (!ok) {
+            LLAMA_LOG_WARN("%s: moe-cache: layer %d: expert tensors have no GGUF source; layer not cached\n", __func__, il);
+            continue;
+        }
+        by_buft[rbuft].push_back(il);
+    }
+    if (n_moe == 0) {
+        LLAMA_LOG_INFO("%s: moe-cache: model has no MoE layers; --moe-expert-cache %d is inert\n", __func__, n_slots);
+        return 0;
+    }
+    if (by_buft.empty()) {
+        LLAMA_LOG_WARN("%s: moe-cache: WARNING requested %d slots but none of the %d MoE layers has host-resident experts "
+                "with a device-resident router (offload layers with -ngl and keep experts on the host with --cpu-moe, "
+                "--n-cpu-moe or -ot exps=CPU); the cache is OFF\n", __func__, n_slots, n_moe);
+        return -1;
+    }
+
+    mc->n_slots   = n_slots;
+    mc->n_inserts = n_inserts;
+    mc->layer_of_il.assign(model->layers.size(), -1);
+
+    // device companions, one context + buffer per router buffer type, owned by the model
+    size_t n_layers = 0;
+    for (const auto & [buft, ils] : by_buft) {
+        n_layers += ils.size();
+    }
+    mc->layers.reserve(n_layers);
+    for (const auto & [buft, ils] : by_buft) {
+        ggml_init_params params = {
+            /*.mem_size   =*/ ils.size() * (LLAMA_MOE_N_PROJ + 1) * ggml_tensor_overhead(),
+            /*.mem_buffer =*/ nullptr,
+            /*.no_alloc   =*/ true,
+        };
+        ggml_context_ptr ctx { ggml_init(params) };
+        std::vector<size_t> first;
+        for (int il : ils) {
+            const auto & layer = model->layers[il];
+            llama_moe_cache_layer l;
+            l.il = il; l.n_expert = n_expert; l.n_used = n_used; l.n_slots = n_slots;
+            const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = { layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps };
+            static const char * names[LLAMA_MOE_N_PROJ] = { "up", "gate", "down" };
+            for (int p = 0; p < LLAMA_MOE_N_PROJ; ++p) {
+                const ggml_tensor * t = exps[p];
+                l.exps[p] = t;
+                l.src[p]  = mc->sources.at(ggml_get_name(t));
+                l.expert_nbytes[p] = t->nb[2];
+                GGML_ASSERT(l.src[p].nbytes == t->nb[2] * (size_t) n_expert && "expert layout differs from the GGUF");
+                l.slots[p] = ggml_new_tensor_3d(ctx.get(), t->type, t->ne[0], t->ne[1], n_slots + 1);
+                ggml_format_name(l.slots[p], "blk.%d.ffn_%s_exps.cache", il, names[p]);
+            }
+            l.dev_table = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_expert);
+            ggml_format_name(l.dev_table, "blk.%d.ffn_exps.cache_table", il);
+            l.table.assign(n_expert, n_slots);
+            l.slot_expert.assign(n_slots, -1);
+            l.slot_used.assign(n_slots, 0);
+            l.slot_state.assign(n_slots, LLAMA_MOE_SLOT_FREE);
+            mc->layer_of_il[il] = (int32_t) mc->layers.size();
+            mc->layers.push_back(std::move(l));
+        }
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
+        if (buf == nullptr) {
+            LLAMA_LOG_ERROR("%s: moe-cache: cannot allocate %d slots per layer in %s; the cache is OFF\n",
+                    __func__, n_slots, ggml_backend_buft_name(buft));
+            mc->layers.clear();
+            mc->n_slots = 0;
+            return -1;
+        }
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ggml_backend_buffer_clear(buf, 0); // every slot, including the dummy slot, computes exact zeros
+        mc->alloc_bytes += ggml_backend_buffer_get_size(buf);
+        LLAMA_LOG_INFO("%s: moe-cache: %8.2f MiB of expert slots for %zu layers in %s\n", __func__,
+                ggml_backend_buffer_get_size(buf)/1024.0/1024.0, ils.size(), ggml_backend_buft_name(buft));
+        model->add_owned_buffer(std::move(ctx), ggml_backend_buffer_ptr(buf));
+    }
+
+    // host companions: the table the CPU MUL_MAT_ID reads (src[3]) and the observed routing
+    {
+        ggml_init_params params = {
+            /*.mem_size   =*/ mc->layers.size() * 2 * ggml_tensor_overhead(),
+            /*.mem_buffer =*/ nullptr,
+            /*.no_alloc   =*/ true,
+        };
+        mc->host_ctx.reset(ggml_init(params));
+        for (auto & l : mc->layers) {
+            l.host_table = ggml_new_tensor_1d(mc->host_ctx.get(), GGML_TYPE_I32, n_expert);
+            ggml_format_name(l.host_table, "blk.%d.ffn_exps.cache_table_host", l.il);
+            l.observed = ggml_new_tensor_1d(mc->host_ctx.get(), GGML_TYPE_I32, (int64_t) n_used * mc->max_batch);
+            ggml_format_name(l.observed, "blk.%d.ffn_exps.cache_observed", l.il);
+        }
+        mc->host_buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(mc->host_ctx.get(), ggml_backend_cpu_buffer_type()));
+        GGML_ASSERT(mc->host_buf);
+        mc->alloc_bytes += ggml_backend_buffer_get_size(mc->host_buf.get());
+        for (auto & l : mc->layers) {
+            std::fill((int32_t *) l.observed->data, (int32_t *) l.observed->data + ggml_nelements(l.observed), -1);
+            l.dirty = true;
+        }
+        llama_moe_publish(*mc);
+    }
+
+    // sources and the upload worker
+    for (const auto & p : mc->paths) {
+        FILE * f = fopen(p.c_str(), "rb");
+        if (f == nullptr) {
+            LLAMA_LOG_ERROR("%s: moe-cache: cannot open %s to read expert bytes; the cache is OFF\n", __func__, p.c_str());
+            mc->layers.clear();
+            mc->n_slots = 0;
+            return -1;
+        }
+        mc->files.push_back(f);
+    }
+    mc->worker = std::thread([mc] { mc->worker_main(); });
+
+    const auto & l0 = mc->layers[0];
+    LLAMA_LOG_INFO("%s: moe-cache: %zu of %d MoE layers cached, %d slots/layer (+1 zero slot) of %d experts, top-k %d, "
+            "expert %.3f MiB, inserts/step %s\n", __func__, mc->layers.size(), n_moe, n_slots, n_expert, n_used,
+            l0.expert_bytes()/1024.0/1024.0, n_inserts > 0 ? std::to_string(n_inserts).c_str() : "unlimited");
+    return (int32_t) mc->layers.size();
+}
+
+bool llama_model_moe_cache_get_stats(const llama_model * model, llama_moe_cache_stats * out) {
+    const llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || !mc->enabled() || out == nullptr) {
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    *out = {};
+    for (const auto & l : mc->layers) {
+        out->hits   += l.hits;
+        out->misses += l.misses;
+        for (int32_t s = 0; s < l.n_slots; ++s) {
+            if (l.slot_state[s] == LLAMA_MOE_SLOT_RESIDENT) {
+                out->resident_bytes += l.expert_bytes();
+            }
+        }
+    }
+    out->uploads       = mc->uploads;
+    out->upload_bytes  = mc->upload_bytes;
+    out->alloc_bytes   = mc->alloc_bytes;
+    out->n_steps       = mc->n_steps;
+    out->n_layers      = (int32_t) mc->layers.size();
+    out->n_slots       = mc->n_slots;
+    out->n_inserts     = mc->n_inserts;
+    out->n_expert      = mc->layers[0].n_expert;
+    out->n_expert_used = mc->layers[0].n_used;
+    return true;
+}
+
+bool llama_model_moe_cache_get_layer_stats(const llama_model * model, int32_t il, uint64_t * hits, uint64_t * misses) {
+    const llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || !mc->enabled() || il < 0 || il >= (int32_t) mc->layer_of_il.size() || mc->layer_of_il[il] < 0) {
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    const auto & l = mc->layers[mc->layer_of_il[il]];
+    if (hits)   { *hits   = l.hits; }
+    if (misses) { *misses = l.misses; }
+    return true;
+}
+
+//
+// graph-time
+//
+
+const llama_moe_cache * llama_moe_cache_active(const llama_model & model) {
+    return model.moe_cache && model.moe_cache->enabled() ? model.moe_cache : nullptr;
+}
+
+uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc) {
+    return mc && mc->enabled() ? 16u * (uint32_t) mc->layers.size() : 0u;
+}
+
+const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d) {
+    if (mc == nullptr || d.il < 0 || d.il >= (int) mc->layer_of_il.size() || mc->layer_of_il[d.il] < 0) {
+        return nullptr;
+    }
+    const llama_moe_cache_layer & l = mc->layers[mc->layer_of_il[d.il]];
+    if (d.up_exps != l.exps[0] || d.gate_exps != l.exps[1] || d.down_exps != l.exps[2]) {
+        llama_moe_log_once("key", "layer %d: build_moe_ffn called with other expert tensors than the cached ones "
+                "(second call site); stock graph there", d.il);
+        return nullptr;
+    }
+    if (d.gate_up_fused || d.has_scales || d.has_biases || !d.silu || d.clamped || d.weight_before) {
+        llama_moe_log_once("variant", "layer %d: this MoE variant (fused gate_up, scales, biases, clamp or non-SiLU "
+                "activation) is not cached yet; stock graph", d.il);
+        return nullptr;
+    }
+    if (d.has_lora) {
+        llama_moe_log_once("lora", "LoRA adapters are loaded: the expert cache is bypassed (stock graph) while they are");
+        return nullptr;
+    }
+    if (d.n_tokens > mc->max_batch) {
+        llama_moe_log_once("batch", "batches of more than %d token(s) use the stock graph (all experts on the host)", mc->max_batch);
+        return nullptr;
+    }
+    return &l;
+}
+
+ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_cache_layer * l,
+                                          ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * down_h) {
+    ggml_tensor * act_h = down_h->src[1];
+    GGML_ASSERT(down_h->op == GGML_OP_MUL_MAT_ID && act_h->op == GGML_OP_GLU);
+    ggml_tensor * gate_h = act_h->src[0];
+    ggml_tensor * up_h   = act_h->src[1];
+    GGML_ASSERT(gate_h->op == GGML_OP_MUL_MAT_ID && up_h->op == GGML_OP_MUL_MAT_ID);
+    GGML_ASSERT(gate_h->src[2] == selected && up_h->src[2] == selected && down_h->src[2] == selected);
+
+    const int64_t n_used   = selected->ne[0];
+    const int64_t n_tokens = selected->ne[1];
+
+    // record the routing for the cache policy (runs on the CPU: the destination is a host tensor)
+    ggml_tensor * obs = ggml_view_1d(ctx, l->observed, n_used*n_tokens, 0);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, selected, obs));
+
+    // host chain: skip resident experts
+    for (ggml_tensor * h : { up_h, gate_h, down_h }) {
+        ggml_mul_mat_id_set_skip(h, l->host_table, l->n_slots);
+    }
+
+    // device chain: the same projections over the slots; misses read the zero slot
+    ggml_tensor * slot_ids = ggml_get_rows(ctx, l->dev_table, selected); // [1, n_used, n_tokens]
+    slot_ids = ggml_reshape_2d(ctx, slot_ids, n_used, n_tokens);
+    ggml_format_name(slot_ids, "ffn_moe_cache_slots-%d", l->il);
+
+    auto mmid_like = [&](ggml_tensor * w, ggml_tensor * b, const ggml_tensor * h) {
+        ggml_tensor * r = ggml_mul_mat_id(ctx, w, b, slot_ids);
+        memcpy(r->op_params, h->op_params, sizeof(r->op_params)); // same precision settings as the host node
+        ((int32_t *) r->op_params)[2] = 0;
+        return r;
+    };
+    ggml_tensor * up_c   = mmid_like(l->slots[0], inp, up_h);
+    ggml_tensor * gate_c = mmid_like(l->slots[1], inp, gate_h);
+    ggml_tensor * act_c  = ggml_glu_split(ctx, gate_c, up_c, ggml_get_glu_op(act_h));
+    ggml_tensor * down_c = mmid_like(l->slots[2], act_c, down_h);
+    ggml_format_name(down_c, "ffn_moe_cache_down-%d", l->il);
+
+    return ggml_add(ctx, down_h, down_c);
+}
+
+//
+// step-time
+//
+
+void llama_moe_cache_step(const llama_model & model, ggml_backend_sched_t sched) {
+    llama_moe_cache * mc = model.moe_cache;
+    if (mc == nullptr || !mc->enabled()) {
+        return;
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    ggml_backend_sched_synchronize(sched);
+
+    llama_moe_account(*mc);
+
+    // uploads enqueued at the previous step become visible now
+    mc->wait_uploads();
+    for (const auto & u : mc->in_flight) {
+        auto & l = mc->layers[u.layer];
+        l.table[u.expert]    = u.slot;
+        l.slot_state[u.slot] = LLAMA_MOE_SLOT_RESIDENT;
+        l.dirty = true;
+        mc->uploads++;
+        mc->upload_bytes += l.expert_bytes();
+    }
+    mc->in_flight.clear();
+
+    llama_moe_schedule(*mc);  // unmaps victims
+    llama_moe_publish(*mc);   // no graph in flight: both copies change together
+    for (const auto & u : mc->in_flight) {
+        mc->enqueue(u);       // victims are unmapped in the published tables, so the worker may write them
+    }
+}
+
+void llama_moe_cache_on_context_free(const llama_model & model, ggml_backend_sched_t sched) {
+    llama_moe_cache * mc = model.moe_cache;
+    if (mc == nullptr || !mc->enabled()) {
+        return;
+    }
+    {
+        std::lock_guard<std::mutex> lock(mc->mutex);
+        ggml_backend_sched_synchronize(sched);
+        llama_moe_account(*mc); // its misses are scheduled at the next step of any context
+    }
+    llama_moe_cache_stats st;
+    llama_model_moe_cache_get_stats(&model, &st);
+    const uint64_t n = st.hits + st.misses;
+    LLAMA_LOG_INFO("moe-cache: %.1f%% hit, resident %.1f MiB, uploads %llu (%.1f MiB)\n",
+            n ? 100.0*st.hits/n : 0.0, st.resident_bytes/1024.0/1024.0,
+            (unsigned long long) st.uploads, st.upload_bytes/1024.0/1024.0);
+}

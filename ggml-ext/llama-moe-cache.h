@@ -1,0 +1,123 @@
+#pragma once
+
+// pybmoe: a device-resident LRU cache of MoE experts whose weights live in host memory.
+//
+// For every host-resident MoE layer (experts on the CPU, router on a device) the model owns
+// companion tensors in the router's buffer type:
+//   up/gate/down slots  [ne0, ne1, n_slots + 1]   slot n_slots is all zeros (the dummy slot)
+//   dev_table           I32 [1, n_expert]         expert id -> slot (n_slots when not resident)
+// and, in a host buffer, the same table (src[3] of the host MUL_MAT_ID) plus the routing that the
+// last graph observed. A layer is computed twice, exactly split: the host chain skips resident
+// experts (their rows are zero), the device chain runs on the slots (misses hit the zero slot),
+// and the two down outputs are summed before the routing weights are applied.
+//
+// State changes only at llama_moe_cache_step(), at decode entry, while no graph is in flight:
+// uploads enqueued at step t are made visible at step t+1, so a graph never reads a torn slot
+// and the hit/miss sequence is a deterministic function of the routing.
+
+#include "llama.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct ggml_context;
+struct ggml_cgraph;
+struct ggml_tensor;
+typedef struct ggml_backend_sched * ggml_backend_sched_t;
+
+struct llama_model;
+struct llama_moe_cache;
+struct llama_moe_cache_layer;
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// staging C API (not part of the public param structs, so the llama_cpp bindings' ABI is unchanged)
+
+struct llama_moe_cache_stats {
+    uint64_t hits;            // expert lookups served by a slot
+    uint64_t misses;          // expert lookups computed on the host
+    uint64_t uploads;         // experts copied into a slot
+    uint64_t upload_bytes;    // bytes copied into slots (up + gate + down)
+    uint64_t resident_bytes;  // bytes of experts resident in slots now
+    uint64_t alloc_bytes;     // bytes of all companion tensors (slots + zero slot + tables)
+    uint64_t n_steps;         // graphs whose routing the cache observed
+    int32_t  n_layers;        // cached layers
+    int32_t  n_slots;         // slots per cached layer (0 = cache off)
+    int32_t  n_inserts;       // upload cap per layer per step (0 = unlimited)
+    int32_t  n_expert;        // experts per layer
+    int32_t  n_expert_used;   // top-k
+};
+
+// Enables the cache on a loaded model: n_slots slots per host-resident MoE layer, at most
+// n_inserts uploads per layer per decode step (0 = unlimited). Call before creating contexts.
+// n_slots == 0 is a no-op. n_slots > n_expert is clamped (one INFO line).
+// Returns the number of cached layers (0 when n_slots == 0 or the model has no MoE layer),
+// or a negative value on error (bad value, no host-resident MoE layer, no GGUF source); every
+// case where a requested cache does not engage is logged as a WARN or ERROR line.
+LLAMA_API int32_t llama_model_moe_cache_init(struct llama_model * model, int32_t n_slots, int32_t n_inserts);
+
+// Totals over all cached layers. Returns false when the model has no cache.
+LLAMA_API bool llama_model_moe_cache_get_stats(const struct llama_model * model, struct llama_moe_cache_stats * out);
+
+// Per-layer lookups. il is the model layer index. Returns false when layer il is not cached.
+LLAMA_API bool llama_model_moe_cache_get_layer_stats(const struct llama_model * model, int32_t il,
+                                                     uint64_t * hits, uint64_t * misses);
+
+#ifdef __cplusplus
+}
+#endif
+
+//
+// engine-internal hooks (C++)
+//
+
+struct llama_model_loader;
+
+// records where each expert tensor's bytes live in the GGUF file(s); called once after load
+void llama_moe_cache_record_sources(llama_model & model, const llama_model_loader & ml,
+                                    const std::vector<std::string> & paths);
+
+void llama_moe_cache_free(llama_moe_cache * mc);
+
+// the cache to use for graphs of this model, or nullptr when it is off
+const llama_moe_cache * llama_moe_cache_active(const llama_model & model);
+
+// extra graph nodes the cache adds (for graph_max_nodes)
+uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc);
+
+// what build_moe_ffn is about to build for one layer
+struct llama_moe_cache_ffn_desc {
+    int      il;
+    int64_t  n_tokens;
+    const ggml_tensor * up_exps;
+    const ggml_tensor * gate_exps;
+    const ggml_tensor * down_exps;
+    bool     gate_up_fused;   // gate_up_exps
+    bool     has_scales;      // *_exps_s
+    bool     has_biases;      // *_exps_b
+    bool     silu;            // type_op == LLM_FFN_SILU
+    bool     clamped;         // per-layer swiglu clamp
+    bool     weight_before;   // weights applied before the FFN (llama4)
+    bool     has_lora;
+};
+
+// the cache layer that serves this FFN, or nullptr (the stock graph is built; the reason is logged once)
+const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d);
+
+// Marks the host chain that ends in down_h (MUL_MAT_ID <- GLU <- {gate, up} MUL_MAT_ID) to skip
+// resident experts, builds the device chain over the slots and returns host + device down outputs.
+//   inp      [n_embd, 1, n_tokens]     FFN input
+//   selected I32 [n_expert_used, n_tokens]
+//   result   [n_embd, n_expert_used, n_tokens]
+ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_cache_layer * l,
+                                          ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * down_h);
+
+// decode entry: wait for the graph in flight, account its routing, publish finished uploads,
+// start new ones. Tables change only here.
+void llama_moe_cache_step(const llama_model & model, ggml_backend_sched_t sched);
+
+// context teardown: account the last graph and print the summary line
+void llama_moe_cache_on_context_free(const llama_model & model, ggml_backend_sched_t sched);
