@@ -53,7 +53,7 @@ import struct
 import secrets
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -479,8 +479,8 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, *, vocab_path: str | o
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    w = gguf.GGUFWriter(tmp, arch)
     try:
-        w = gguf.GGUFWriter(tmp, arch)
         w.add_name(f"pybmoe-{spec.name}")
         w.add_file_type(int(_FILE_TYPE[spec.ftype]))
         if spec.ftype != "F16":
@@ -519,6 +519,7 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, *, vocab_path: str | o
         w.close()
         os.replace(tmp, path)
     except BaseException:
+        w.close()
         try:
             os.unlink(tmp)
         except FileNotFoundError:
@@ -537,7 +538,7 @@ def make_model(path: str | os.PathLike, *, arch: str = "qwen3moe", ftype: str = 
     ``shape`` takes the :class:`ModelSpec` shape fields (``n_layer=4,
     n_expert=16, n_expert_used=4, n_embd=256, n_ff_exp=256, n_head=4,
     n_head_kv=2, head_dim=64, n_ctx_train=4096``). At the defaults the file is
-    about 55 MiB (F16), 53 MiB (Q8_0) or 46 MiB (Q4_K). ``vocab_path`` defaults
+    about 71 MiB (F16), 59 MiB (Q8_0) or 52 MiB (Q4_K), written in ~2 s. ``vocab_path`` defaults
     to :func:`default_vocab_path`.
 
     Raises :class:`ValueError` for a bad shape/ftype/arch, :class:`TypeError`

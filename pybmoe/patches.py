@@ -73,7 +73,7 @@ def check(root: Path | None = None, log=print) -> bool:
     """
     root = root or vendor.project_root()
     pin = vendor.load_pin(root)
-    sdist = vendor.fetch_sdist(pin, root / "vendor" / "cache")
+    sdist = vendor.fetch_sdist(pin, vendor.cache_dir())
     ok = True
     with tempfile.TemporaryDirectory(prefix="pybmoe-check-") as tmp:
         tree = Path(tmp) / pin.stem

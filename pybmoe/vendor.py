@@ -6,7 +6,8 @@ materialises it on demand.
 
 Layout (all git-ignored)::
 
-    vendor/cache/<sdist>.tar.gz          the downloaded sdist (reused when its hash matches)
+    $PYBMOE_CACHE/sdist/<sdist>.tar.gz   the downloaded sdist (default ~/.cache/pybmoe; reused
+                                         only while its sha256 matches the pin)
     vendor/src/llama_cpp_python-X.Y.Z/   the unpacked sdist, a git repo:
         commit 1  "upstream llama-cpp-python X.Y.Z"  (the base, tagged ``pybmoe-base``)
         commit 2.. one per patch in patches/series (applied with ``git am``)
@@ -149,6 +150,12 @@ def _git(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProce
     return r
 
 
+def cache_dir() -> Path:
+    """Where downloaded sdists are kept: ``$PYBMOE_CACHE/sdist`` (default ``~/.cache/pybmoe/sdist``)."""
+    base = os.environ.get("PYBMOE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pybmoe")
+    return Path(base) / "sdist"
+
+
 def series(root: Path) -> list[Path]:
     """The patches named in ``patches/series``, in order (comments and blanks skipped)."""
     f = root / "patches" / "series"
@@ -254,7 +261,7 @@ def ensure_tree(root: Path | None = None, *, force: bool = False, log=print) -> 
                 "`pybmoe patches export`, or re-run with --force to discard them")
         log(f"pybmoe vendor: re-applying patches/series onto {tree.name}")
     else:
-        sdist = fetch_sdist(pin, root / "vendor" / "cache")
+        sdist = fetch_sdist(pin, cache_dir())
         log(f"pybmoe vendor: {sdist.name} sha256 ok, unpacking")
         unpack(sdist, tree)
     applied = apply_series(root, tree)
@@ -274,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.sdist:
             pin = load_pin(root)
             verify_sdist(a.sdist, pin)
-            cache = root / "vendor" / "cache"
+            cache = cache_dir()
             cache.mkdir(parents=True, exist_ok=True)
             if a.sdist.resolve() != (cache / pin.filename).resolve():
                 shutil.copyfile(a.sdist, cache / pin.filename)

@@ -1,0 +1,102 @@
+// pybmoe-logits: greedy generation that records the raw logits of every decode step.
+//
+// It is the oracle for the expert cache: with the same CPU kernels on both sides of the split
+// (a loopback ggml-rpc-server as the device), cache-on logits must be bit-identical to cache-off.
+//
+//   pybmoe-logits --logits-out FILE [common llama.cpp flags: -m, -p, -n, --rpc, -ngl, --cpu-moe,
+//                 --moe-expert-cache, ...]
+//
+// FILE gets, for each decode step (one token each), n_vocab float32 values in native byte order.
+// stdout gets the generated token ids, one per line. The prompt is decoded as one batch (prefill).
+// After the context is freed, stdout gets one line per cached layer: "moe-cache-layer IL HITS MISSES".
+
+#include "arg.h"
+#include "common.h"
+#include "llama.h"
+#include "llama-moe-cache.h"
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+int main(int argc, char ** argv) {
+    std::string out_path;
+    std::vector<char *> args;
+    for (int i = 0; i < argc; ++i) {
+        if (strcmp(argv[i], "--logits-out") == 0 && i + 1 < argc) {
+            out_path = argv[++i];
+            continue;
+        }
+        args.push_back(argv[i]);
+    }
+    if (out_path.empty()) {
+        fprintf(stderr, "pybmoe-logits: --logits-out FILE is required\n");
+        return 2;
+    }
+
+    common_params params;
+    params.n_predict = 16;
+    if (!common_params_parse((int) args.size(), args.data(), params, LLAMA_EXAMPLE_COMPLETION)) {
+        return 2;
+    }
+    common_init();
+    llama_backend_init();
+
+    // the model (and its expert cache) from common; the context is ours, so its teardown can be
+    // observed before the model goes
+    auto init = common_init_from_params(params, /*model_only=*/true);
+    llama_model   * model = init->model();
+    llama_context * ctx   = model ? llama_init_from_model(model, common_context_params_to_llama(params)) : nullptr;
+    if (model == nullptr || ctx == nullptr) {
+        fprintf(stderr, "pybmoe-logits: failed to load the model\n");
+        return 1;
+    }
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    const int n_vocab = llama_vocab_n_tokens(vocab);
+
+    std::vector<llama_token> prompt = common_tokenize(ctx, params.prompt, true, true);
+    if (prompt.empty()) {
+        fprintf(stderr, "pybmoe-logits: empty prompt\n");
+        return 2;
+    }
+    FILE * out = fopen(out_path.c_str(), "wb");
+    if (out == nullptr) {
+        fprintf(stderr, "pybmoe-logits: cannot write %s\n", out_path.c_str());
+        return 1;
+    }
+
+    if (llama_decode(ctx, llama_batch_get_one(prompt.data(), (int32_t) prompt.size())) != 0) {
+        fprintf(stderr, "pybmoe-logits: prefill failed\n");
+        return 1;
+    }
+    llama_token tok = 0;
+    for (int i = 0; i < params.n_predict; ++i) {
+        const float * logits = llama_get_logits_ith(ctx, -1);
+        if (i > 0) {
+            fwrite(logits, sizeof(float), n_vocab, out); // step i-1 was a single-token decode
+        }
+        tok = 0;
+        for (int t = 1; t < n_vocab; ++t) {
+            if (logits[t] > logits[tok]) {
+                tok = t;
+            }
+        }
+        printf("%d\n", tok);
+        fflush(stdout);
+        if (i + 1 < params.n_predict && llama_decode(ctx, llama_batch_get_one(&tok, 1)) != 0) {
+            fprintf(stderr, "pybmoe-logits: decode failed at step %d\n", i);
+            return 1;
+        }
+    }
+    fclose(out);
+    llama_free(ctx); // accounts the last graph's routing
+
+    for (int32_t il = 0; il < llama_model_n_layer(model); ++il) {
+        uint64_t hits = 0, misses = 0;
+        if (llama_model_moe_cache_get_layer_stats(model, il, &hits, &misses)) {
+            printf("moe-cache-layer %d %llu %llu\n", il, (unsigned long long) hits, (unsigned long long) misses);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,67 @@
+"""``pybmoe`` command line: a thin layer over importable functions.
+
+    pybmoe vendor            fetch, verify, unpack and patch the pinned upstream
+    pybmoe patches ...       list | check | export the patch series
+    pybmoe make-model OUT    write a tiny deterministic real-architecture MoE GGUF
+    pybmoe serve ARGS...     exec the patched llama-server (every upstream flag passes through)
+    pybmoe demo              cache off vs on on the embedded model, with a loopback RPC device
+    pybmoe bin [NAME]        print where the patched binaries are
+"""
+from __future__ import annotations
+
+import sys
+
+
+def _serve(argv: list[str]) -> int:
+    from . import engine
+    try:
+        exe = engine.find_binary("llama-server")
+    except engine.EngineError as e:
+        print(f"pybmoe serve: error: {e}", file=sys.stderr)
+        return 2
+    import os
+    os.execv(str(exe), [str(exe), *argv])
+    return 0  # pragma: no cover
+
+
+def _bin(argv: list[str]) -> int:
+    from . import engine
+    names = argv or list(engine.BINARIES)
+    rc = 0
+    for n in names:
+        try:
+            print(f"{n}\t{engine.find_binary(n)}")
+        except engine.EngineError as e:
+            print(f"{n}\t(missing: {e})", file=sys.stderr)
+            rc = 2
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "vendor":
+        from . import vendor
+        return vendor.main(rest)
+    if cmd == "patches":
+        from . import patches
+        return patches.main(rest)
+    if cmd == "make-model":
+        from . import models
+        return models.main(rest)
+    if cmd == "serve":
+        return _serve(rest)
+    if cmd == "demo":
+        from . import demo
+        return demo.main(rest)
+    if cmd == "bin":
+        return _bin(rest)
+    print(f"pybmoe: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Locate and run the patched llama.cpp binaries; lifecycle of rpc-server and server.
+
+Binaries are looked up, in order, in:
+
+1. ``$PYBMOE_BIN_DIR``;
+2. ``pybmoe/bin/`` inside the installed package (what ``pip install .`` ships);
+3. ``build/dev/bin/`` of a source checkout (a developer build made with cmake).
+
+Everything here raises :class:`EngineError` (or a subclass) with a message that
+names the binary, the command line or the log that explains the failure.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BINARIES = ("llama-server", "llama-cli", "llama-bench", "test-backend-ops", "ggml-rpc-server", "pybmoe-logits")
+
+
+class EngineError(RuntimeError):
+    """A binary is missing, failed to start, or exited with an error."""
+
+
+def bin_dirs() -> list[Path]:
+    """Where binaries are searched, in order."""
+    dirs = []
+    if os.environ.get("PYBMOE_BIN_DIR"):
+        dirs.append(Path(os.environ["PYBMOE_BIN_DIR"]))
+    here = Path(__file__).resolve().parent
+    dirs.append(here / "bin")
+    dirs.append(here.parent / "build" / "dev" / "bin")
+    return dirs
+
+
+def find_binary(name: str) -> Path:
+    """Path of the patched binary ``name`` (one of :data:`BINARIES`).
+
+    Raises:
+        EngineError: no such binary in any of :func:`bin_dirs`.
+    """
+    for d in bin_dirs():
+        p = d / name
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+    raise EngineError(f"{name} not found in {', '.join(map(str, bin_dirs()))}; "
+                      "install pybmoe with `pip install .` (or build it with cmake into build/dev)")
+
+
+def _exec(name: str) -> None:
+    exe = find_binary(name)
+    argv = [str(exe), *sys.argv[1:]]
+    if os.name == "nt":  # pragma: no cover
+        sys.exit(subprocess.call(argv))
+    os.execv(argv[0], argv)
+
+
+def exec_llama_server() -> None:
+    """Console entry point ``llama-server``: exec the patched binary with all arguments."""
+    _exec("llama-server")
+
+
+def exec_llama_cli() -> None:
+    _exec("llama-cli")
+
+
+def exec_llama_bench() -> None:
+    _exec("llama-bench")
+
+
+def exec_test_backend_ops() -> None:
+    _exec("test-backend-ops")
+
+
+def exec_ggml_rpc_server() -> None:
+    _exec("ggml-rpc-server")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise EngineError(f"{what} exited with code {proc.returncode} before listening; log:\n{_tail(log)}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise EngineError(f"{what} did not listen on port {port} within {timeout_s:.0f} s; log:\n{_tail(log)}")
+
+
+def _tail(log: Path, n: int = 4000) -> str:
+    try:
+        return log.read_text(errors="replace")[-n:]
+    except OSError:
+        return "(no log)"
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)  # llama-server frees its contexts (and prints the cache summary)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class RpcServer:
+    """A loopback ``ggml-rpc-server``: the stand-in device on machines without a GPU.
+
+    It computes with the same CPU kernels as the host, so cache-on output must be
+    bit-identical to cache-off. Use as a context manager; ``.endpoint`` is ``host:port``.
+    """
+
+    def __init__(self, threads: int | None = None, port: int | None = None, log_dir: Path | None = None):
+        self.port = port or free_port()
+        self.threads = threads
+        self._log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pybmoe-rpc-"))
+        self.log = self._log_dir / f"rpc-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "RpcServer":
+        cmd = [str(find_binary("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(self.port)]
+        if self.threads:
+            cmd += ["-t", str(self.threads)]
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        _wait_port(self.port, self.proc, 30, "ggml-rpc-server", self.log)
+        return self
+
+    def stop(self) -> None:
+        if self.proc:
+            _stop(self.proc, 10)
+
+    def __enter__(self) -> "RpcServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass
+class LlamaServer:
+    """A ``llama-server`` child process on a free loopback port.
+
+    ``args`` are passed through verbatim (every upstream flag works). The log
+    (stdout + stderr) is kept in ``.log``; :meth:`stop` sends SIGINT so the
+    server frees its contexts and prints the ``moe-cache:`` summary line.
+    """
+
+    args: list[str]
+    port: int = field(default_factory=free_port)
+    log_dir: Path | None = None
+    startup_timeout_s: float = 120
+    env: dict | None = None
+    proc: subprocess.Popen | None = None
+
+    def __post_init__(self):
+        self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="pybmoe-server-"))
+        self.log = self.log_dir / f"server-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "LlamaServer":
+        cmd = [str(find_binary("llama-server")), "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        env = dict(os.environ, **(self.env or {}))
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise EngineError(f"llama-server exited with code {self.proc.returncode}: {' '.join(cmd)}\n"
+                                  f"{_tail(self.log)}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() - t0 > self.startup_timeout_s:
+                self.stop()
+                raise EngineError(f"llama-server not healthy after {self.startup_timeout_s:.0f} s\n{_tail(self.log)}")
+            time.sleep(0.1)
+
+    def post(self, path: str, body: dict, timeout_s: float = 300) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"POST {path} -> {e.code}: {e.read()[:2000]!r}") from e
+
+    def completion(self, prompt: str, n_predict: int = 64, **kw) -> dict:
+        """Greedy ``/completion`` (temperature 0) unless ``kw`` says otherwise."""
+        body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "top_k": 1, "seed": 0,
+                "cache_prompt": False, **kw}
+        return self.post("/completion", body)
+
+    def stop(self) -> str:
+        """Stop the server; returns its whole log."""
+        if self.proc:
+            _stop(self.proc)
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def __enter__(self) -> "LlamaServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# --- log lines -------------------------------------------------------------------------------
+
+_SUMMARY = re.compile(r"moe-cache: ([0-9.]+)% hit, resident ([0-9.]+) MiB, uploads (\d+) \(([0-9.]+) MiB\)")
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """The ``moe-cache:`` line printed when a context is freed."""
+
+    hit_pct: float        # hits / lookups, percent
+    resident_mib: float   # MiB of experts resident in slots
+    uploads: int          # experts uploaded
+    upload_mib: float     # MiB uploaded
+
+
+def parse_cache_summaries(log: str) -> list[CacheSummary]:
+    """Every summary line in a log, in order (one per freed context)."""
+    return [CacheSummary(float(a), float(b), int(c), float(d)) for a, b, c, d in _SUMMARY.findall(log)]
+
+
+def cache_args(slots: int, inserts: int = 0) -> list[str]:
+    """Engine flags for a cache of ``slots`` slots per layer and ``inserts`` uploads per layer per step.
+
+    Raises:
+        ValueError: a negative or non-integer value.
+    """
+    for name, v in (("slots", slots), ("inserts", inserts)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+    return ["--moe-expert-cache", str(slots), "--moe-expert-cache-inserts", str(inserts)]
+
+
+def host_experts_args(rpc_endpoint: str) -> list[str]:
+    """Flags that put every layer on the RPC device and keep the experts in host memory.
+
+    ``--no-repack`` keeps host experts in the GGUF layout, so host and device run the same
+    CPU kernels and the split is bit-exact.
+    """
+    return ["--rpc", rpc_endpoint, "-ngl", "99", "--cpu-moe", "--no-repack"]
+
+
+def which_any(*names: str) -> str | None:
+    for n in names:
+        p = shutil.which(n)
+        if p:
+            return p
+    return None

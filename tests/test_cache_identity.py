@@ -1,0 +1,115 @@
+"""The expert cache is exact: cache-on output is bit-identical to cache-off.
+
+Layout: every layer on a loopback ggml-rpc-server (the stand-in device), experts in
+host memory (--cpu-moe --no-repack). Both sides of the split run the same CPU
+kernels, so any double-counted, dropped or torn expert changes the logits.
+"""
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pybmoe import demo, engine, models
+
+N_PREDICT = 64
+PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
+
+
+@dataclass
+class LogitsRun:
+    tokens: list[int]
+    logits: bytes                       # n_decode x n_vocab float32
+    layers: dict[int, tuple[int, int]]  # il -> (hits, misses)
+    log: str
+
+
+def logits_run(model: Path, rpc: engine.RpcServer, slots: int, inserts: int, tmp: Path,
+               n_predict: int = N_PREDICT) -> LogitsRun:
+    out = tmp / f"logits-{model.stem}-{slots}-{inserts}.bin"
+    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model),
+           "-p", PROMPT, "-n", str(n_predict), "-c", "512", "-t", "2", "--fit", "off",
+           *engine.host_experts_args(rpc.endpoint), *engine.cache_args(slots, inserts)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
+    tokens, layers = [], {}
+    for line in r.stdout.splitlines():
+        if line.startswith("moe-cache-layer"):
+            _, il, h, m = line.split()
+            layers[int(il)] = (int(h), int(m))
+        elif line.strip():
+            tokens.append(int(line))
+    return LogitsRun(tokens, out.read_bytes(), layers, r.stderr)
+
+
+@pytest.fixture(scope="module")
+def spec(model_q8):
+    return models.read_spec(model_q8)
+
+
+@pytest.fixture(scope="module")
+def baseline(model_q8, rpc, tmp_path_factory):
+    return logits_run(model_q8, rpc, 0, 0, tmp_path_factory.mktemp("base"))
+
+
+def test_cache_off_is_inert(baseline):
+    assert baseline.layers == {}
+    assert "moe-cache:" not in baseline.log
+    assert len(baseline.tokens) == N_PREDICT
+    # 63 single-token decode steps were recorded
+    assert len(baseline.logits) % (N_PREDICT - 1) == 0 and len(baseline.logits) > 0
+
+
+@pytest.mark.parametrize("inserts", [1, 0])
+@pytest.mark.parametrize("slots_of", ["1", "top-k", "half", "all"])
+def test_logits_bit_identical(model_q8, rpc, baseline, spec, tmp_path, slots_of, inserts):
+    slots = {"1": 1, "top-k": spec.n_expert_used, "half": spec.n_expert // 2, "all": spec.n_expert}[slots_of]
+    run = logits_run(model_q8, rpc, slots, inserts, tmp_path)
+
+    assert run.tokens == baseline.tokens
+    assert run.logits == baseline.logits, "cache-on logits differ from cache-off"
+
+    # every decode step looks up top-k experts in every cached layer
+    n_decode = N_PREDICT - 1
+    assert sorted(run.layers) == list(range(spec.n_layer))
+    for il, (hits, misses) in run.layers.items():
+        assert hits + misses == spec.n_expert_used * n_decode, f"layer {il}"
+    total_hits = sum(h for h, _ in run.layers.values())
+    if slots >= spec.n_expert_used:
+        assert total_hits > 0
+    sums = engine.parse_cache_summaries(run.log)
+    assert len(sums) == 1
+    lookups = spec.n_expert_used * n_decode * spec.n_layer
+    assert sums[0].hit_pct == pytest.approx(100.0 * total_hits / lookups, abs=0.05)
+    if inserts == 1:
+        assert sums[0].uploads <= n_decode * spec.n_layer
+
+
+@pytest.mark.parametrize("ftype", ["F16", "Q4_K"])
+def test_logits_bit_identical_other_types(ftype, rpc, tmp_path):
+    model = models.default_model_path(ftype)
+    k = models.read_spec(model).n_expert_used
+    off = logits_run(model, rpc, 0, 0, tmp_path, n_predict=24)
+    on = logits_run(model, rpc, 2 * k, 1, tmp_path, n_predict=24)
+    assert on.logits == off.logits
+    assert sum(h for h, _ in on.layers.values()) > 0
+
+
+@pytest.fixture(scope="module")
+def server_baseline(model_q8, rpc):
+    return demo.run_once(model_q8, rpc.endpoint, 0, 0, PROMPT, N_PREDICT)
+
+
+@pytest.mark.parametrize("inserts", [1, 0])
+@pytest.mark.parametrize("slots_of", ["1", "top-k", "half", "all"])
+def test_server_text_byte_identical(model_q8, rpc, spec, server_baseline, slots_of, inserts):
+    slots = {"1": 1, "top-k": spec.n_expert_used, "half": spec.n_expert // 2, "all": spec.n_expert}[slots_of]
+    on = demo.run_once(model_q8, rpc.endpoint, slots, inserts, PROMPT, N_PREDICT)
+    assert server_baseline.tokens_predicted == N_PREDICT
+    assert on.text.encode() == server_baseline.text.encode()
+    assert on.summary is not None
+    if slots >= spec.n_expert_used:
+        assert on.summary.hit_pct > 0
+    assert "moe-cache:" not in server_baseline.log

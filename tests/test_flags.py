@@ -1,0 +1,47 @@
+"""Bad cache flag values stop every tool early with a message naming the flag and the value."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from pybmoe import engine
+
+
+def _run(binary: str, args: list[str], env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(engine.find_binary(binary)), *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, **(env or {})), stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("binary", ["llama-server", "llama-cli", "llama-bench"])
+@pytest.mark.parametrize("flag", ["--moe-expert-cache", "--moe-expert-cache-inserts"])
+@pytest.mark.parametrize("value", ["-1", "abc", "4x", "1.5"])
+def test_bad_value_is_refused(binary, flag, value, model_q8):
+    r = _run(binary, ["-m", str(model_q8), flag, value])
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert flag in out and f"'{value}'" in out, out[-2000:]
+    assert "non-negative integer" in out
+
+
+@pytest.mark.parametrize("binary", ["llama-server", "llama-bench"])
+def test_bad_env_twin_is_refused(binary, model_q8):
+    r = _run(binary, ["-m", str(model_q8)], env={"LLAMA_ARG_MOE_EXPERT_CACHE": "-3"})
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert "LLAMA_ARG_MOE_EXPERT_CACHE" in out and "'-3'" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("binary", ["llama-server", "llama-cli", "llama-bench"])
+def test_flags_are_documented(binary):
+    r = _run(binary, ["--help"])
+    assert "--moe-expert-cache" in r.stdout + r.stderr
+    assert "--moe-expert-cache-inserts" in r.stdout + r.stderr
+
+
+def test_python_side_validates():
+    with pytest.raises(ValueError, match="slots"):
+        engine.cache_args(-1)
+    with pytest.raises(ValueError, match="inserts"):
+        engine.cache_args(4, "2")
