@@ -56,7 +56,9 @@ struct llama_moe_cache_layer {
     int32_t il        = -1;
     int32_t n_expert  = 0;
     int32_t n_used    = 0;
-    int32_t n_slots   = 0;
+    int32_t n_slots   = 0; // resident capacity (--moe-expert-cache)
+    int32_t n_stage   = 0; // extra physical slots that uploads land in while the residents keep serving
+    int32_t n_phys    = 0; // n_slots + n_stage; slot n_phys is the all-zero dummy slot
 
     // the host tensors this layer caches (key for graph building)
     const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
@@ -64,19 +66,20 @@ struct llama_moe_cache_layer {
     size_t              expert_nbytes[LLAMA_MOE_N_PROJ] = {}; // one expert's slice of each tensor
 
     // companions: device (router's buffer type) and host
-    ggml_tensor * slots[LLAMA_MOE_N_PROJ] = {}; // [ne0, ne1, n_slots + 1]
+    ggml_tensor * slots[LLAMA_MOE_N_PROJ] = {}; // [ne0, ne1, n_phys + 1]
     ggml_tensor * dev_table  = nullptr;         // I32 [1, n_expert]
     ggml_tensor * host_table = nullptr;         // I32 [n_expert]
     ggml_tensor * observed   = nullptr;         // I32 [n_used * max_batch], -1 = not written
 
     // LRU state (host only; the tables above are published copies of `table`)
-    std::vector<int32_t>  table;       // [n_expert] expert -> slot, n_slots = not resident
-    std::vector<int32_t>  slot_expert; // [n_slots]  -1 when free
-    std::vector<uint64_t> slot_used;   // [n_slots]  step of last use
-    std::vector<uint8_t>  slot_state;  // [n_slots]  llama_moe_slot_state
+    std::vector<int32_t>  table;       // [n_expert] expert -> physical slot, n_phys = not resident
+    std::vector<uint64_t> used;        // [n_expert] last step the expert was selected (0 = never)
+    std::vector<int32_t>  slot_expert; // [n_phys]   -1 when free
+    std::vector<uint8_t>  slot_state;  // [n_phys]   llama_moe_slot_state
     std::vector<int32_t>  misses_now;  // experts missed in the last observed step, in router order
-    uint64_t last_step = 0;            // step of misses_now
-    bool     dirty     = false;        // table changed since the last publish
+    uint64_t last_step  = 0;           // step of misses_now
+    int32_t  n_resident = 0;           // <= n_slots
+    bool     dirty      = false;       // table changed since the last publish
 
     uint64_t hits   = 0;
     uint64_t misses = 0;
@@ -239,10 +242,9 @@ void llama_moe_account(llama_moe_cache & mc) {
         for (int64_t i = 0; i < n && obs[i] >= 0; ++i) {
             const int32_t e = obs[i];
             GGML_ASSERT(e < l.n_expert);
-            const int32_t s = l.table[e];
-            if (s < l.n_slots) {
+            l.used[e] = mc.step;
+            if (l.table[e] < l.n_phys) {
                 l.hits++;
-                l.slot_used[s] = mc.step;
             } else {
                 l.misses++;
                 if (std::find(l.misses_now.begin(), l.misses_now.end(), e) == l.misses_now.end()) {
@@ -256,6 +258,36 @@ void llama_moe_account(llama_moe_cache & mc) {
         mc.n_steps++;
         mc.step++;
     }
+}
+
+// make a finished upload resident; evicts the least recently used resident when the layer is full
+// (never one selected in the last observed step; ties go to the lowest slot)
+void llama_moe_admit(llama_moe_cache_layer & l, int32_t e, int32_t p) {
+    if (l.n_resident == l.n_slots) {
+        int32_t victim = -1;
+        for (int32_t q = 0; q < l.n_phys; ++q) {
+            if (l.slot_state[q] != LLAMA_MOE_SLOT_RESIDENT || l.used[l.slot_expert[q]] >= l.last_step) {
+                continue;
+            }
+            if (victim < 0 || l.used[l.slot_expert[q]] < l.used[l.slot_expert[victim]]) {
+                victim = q;
+            }
+        }
+        if (victim < 0) {
+            // every resident expert was needed just now: drop the upload
+            l.slot_state[p]  = LLAMA_MOE_SLOT_FREE;
+            l.slot_expert[p] = -1;
+            return;
+        }
+        l.table[l.slot_expert[victim]] = l.n_phys;
+        l.slot_state[victim]  = LLAMA_MOE_SLOT_FREE;
+        l.slot_expert[victim] = -1;
+        l.n_resident--;
+    }
+    l.table[e]       = p;
+    l.slot_state[p]  = LLAMA_MOE_SLOT_RESIDENT;
+    l.n_resident++;
+    l.dirty = true;
 }
 
 void llama_moe_publish(llama_moe_cache & mc) {
@@ -272,34 +304,25 @@ void llama_moe_publish(llama_moe_cache & mc) {
 void llama_moe_schedule(llama_moe_cache & mc) {
     for (size_t li = 0; li < mc.layers.size(); ++li) {
         auto & l = mc.layers[li];
-        int32_t budget = mc.n_inserts > 0 ? mc.n_inserts : l.n_slots;
+        int32_t budget = mc.n_inserts > 0 ? mc.n_inserts : l.n_expert;
+        int32_t p = 0;
         for (int32_t e : l.misses_now) {
             if (budget == 0) {
                 break;
             }
-            // victim: a free slot, else the least recently used resident slot not used in the last step
-            int32_t victim = -1;
-            for (int32_t s = 0; s < l.n_slots; ++s) {
-                if (l.slot_state[s] == LLAMA_MOE_SLOT_FREE) {
-                    victim = s;
-                    break;
-                }
-                if (l.slot_state[s] == LLAMA_MOE_SLOT_RESIDENT && l.slot_used[s] < l.last_step &&
-                        (victim < 0 || l.slot_used[s] < l.slot_used[victim])) {
-                    victim = s;
-                }
+            if (l.table[e] < l.n_phys) {
+                continue; // became resident at this step (an earlier miss of the same expert)
             }
-            if (victim < 0) {
+            // uploads go to free physical slots only: residents keep serving while they are written
+            while (p < l.n_phys && l.slot_state[p] != LLAMA_MOE_SLOT_FREE) {
+                p++;
+            }
+            if (p == l.n_phys) {
                 break;
             }
-            if (l.slot_state[victim] == LLAMA_MOE_SLOT_RESIDENT) {
-                l.table[l.slot_expert[victim]] = l.n_slots;
-                l.dirty = true;
-            }
-            l.slot_state[victim]  = LLAMA_MOE_SLOT_UPLOADING;
-            l.slot_expert[victim] = e;
-            l.slot_used[victim]   = l.last_step;
-            mc.in_flight.push_back({ (int32_t) li, e, victim });
+            l.slot_state[p]  = LLAMA_MOE_SLOT_UPLOADING;
+            l.slot_expert[p] = e;
+            mc.in_flight.push_back({ (int32_t) li, e, p });
             budget--;
         }
         l.misses_now.clear();
@@ -414,6 +437,11 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
 
     mc->n_slots   = n_slots;
     mc->n_inserts = n_inserts;
+    mc->step      = 1; // step 0 means "never used"
+    // staging slots: a step can miss at most n_used * max_batch distinct experts, and never more
+    // than the experts that are not resident
+    const int32_t n_stage = std::min({ n_inserts > 0 ? n_inserts : n_used * mc->max_batch,
+                                       n_used * mc->max_batch, n_expert - n_slots });
     mc->layer_of_il.assign(model->layers.size(), -1);
 
     // device companions, one context + buffer per router buffer type, owned by the model
@@ -434,6 +462,7 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
             const auto & layer = model->layers[il];
             llama_moe_cache_layer l;
             l.il = il; l.n_expert = n_expert; l.n_used = n_used; l.n_slots = n_slots;
+            l.n_stage = n_stage; l.n_phys = n_slots + n_stage;
             const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = { layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps };
             static const char * names[LLAMA_MOE_N_PROJ] = { "up", "gate", "down" };
             for (int p = 0; p < LLAMA_MOE_N_PROJ; ++p) {
@@ -442,15 +471,15 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
                 l.src[p]  = mc->sources.at(ggml_get_name(t));
                 l.expert_nbytes[p] = t->nb[2];
                 GGML_ASSERT(l.src[p].nbytes == t->nb[2] * (size_t) n_expert && "expert layout differs from the GGUF");
-                l.slots[p] = ggml_new_tensor_3d(ctx.get(), t->type, t->ne[0], t->ne[1], n_slots + 1);
+                l.slots[p] = ggml_new_tensor_3d(ctx.get(), t->type, t->ne[0], t->ne[1], l.n_phys + 1);
                 ggml_format_name(l.slots[p], "blk.%d.ffn_%s_exps.cache", il, names[p]);
             }
             l.dev_table = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_expert);
             ggml_format_name(l.dev_table, "blk.%d.ffn_exps.cache_table", il);
-            l.table.assign(n_expert, n_slots);
-            l.slot_expert.assign(n_slots, -1);
-            l.slot_used.assign(n_slots, 0);
-            l.slot_state.assign(n_slots, LLAMA_MOE_SLOT_FREE);
+            l.table.assign(n_expert, l.n_phys);
+            l.used.assign(n_expert, 0);
+            l.slot_expert.assign(l.n_phys, -1);
+            l.slot_state.assign(l.n_phys, LLAMA_MOE_SLOT_FREE);
             mc->layer_of_il[il] = (int32_t) mc->layers.size();
             mc->layers.push_back(std::move(l));
         }
@@ -508,9 +537,9 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
     mc->worker = std::thread([mc] { mc->worker_main(); });
 
     const auto & l0 = mc->layers[0];
-    LLAMA_LOG_INFO("%s: moe-cache: %zu of %d MoE layers cached, %d slots/layer (+1 zero slot) of %d experts, top-k %d, "
-            "expert %.3f MiB, inserts/step %s\n", __func__, mc->layers.size(), n_moe, n_slots, n_expert, n_used,
-            l0.expert_bytes()/1024.0/1024.0, n_inserts > 0 ? std::to_string(n_inserts).c_str() : "unlimited");
+    LLAMA_LOG("%s: moe-cache: %zu of %d MoE layers cached, %d slots/layer (+%d staging, +1 zero) of %d experts, "
+            "top-k %d, expert %.3f MiB, inserts/step %s\n", __func__, mc->layers.size(), n_moe, n_slots, l0.n_stage,
+            n_expert, n_used, l0.expert_bytes()/1024.0/1024.0, n_inserts > 0 ? std::to_string(n_inserts).c_str() : "unlimited");
     return (int32_t) mc->layers.size();
 }
 
@@ -524,11 +553,7 @@ bool llama_model_moe_cache_get_stats(const llama_model * model, llama_moe_cache_
     for (const auto & l : mc->layers) {
         out->hits   += l.hits;
         out->misses += l.misses;
-        for (int32_t s = 0; s < l.n_slots; ++s) {
-            if (l.slot_state[s] == LLAMA_MOE_SLOT_RESIDENT) {
-                out->resident_bytes += l.expert_bytes();
-            }
-        }
+        out->resident_bytes += (uint64_t) l.n_resident * l.expert_bytes();
     }
     out->uploads       = mc->uploads;
     out->upload_bytes  = mc->upload_bytes;
@@ -585,7 +610,7 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
         llama_moe_log_once("lora", "LoRA adapters are loaded: the expert cache is bypassed (stock graph) while they are");
         return nullptr;
     }
-    if (d.n_tokens > mc->max_batch) {
+    if (d.n_ubatch > mc->max_batch) {
         llama_moe_log_once("batch", "batches of more than %d token(s) use the stock graph (all experts on the host)", mc->max_batch);
         return nullptr;
     }
@@ -610,7 +635,7 @@ ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, 
 
     // host chain: skip resident experts
     for (ggml_tensor * h : { up_h, gate_h, down_h }) {
-        ggml_mul_mat_id_set_skip(h, l->host_table, l->n_slots);
+        ggml_mul_mat_id_set_skip(h, l->host_table, l->n_phys);
     }
 
     // device chain: the same projections over the slots; misses read the zero slot
@@ -651,18 +676,16 @@ void llama_moe_cache_step(const llama_model & model, ggml_backend_sched_t sched)
     mc->wait_uploads();
     for (const auto & u : mc->in_flight) {
         auto & l = mc->layers[u.layer];
-        l.table[u.expert]    = u.slot;
-        l.slot_state[u.slot] = LLAMA_MOE_SLOT_RESIDENT;
-        l.dirty = true;
         mc->uploads++;
         mc->upload_bytes += l.expert_bytes();
+        llama_moe_admit(l, u.expert, u.slot);
     }
     mc->in_flight.clear();
 
-    llama_moe_schedule(*mc);  // unmaps victims
     llama_moe_publish(*mc);   // no graph in flight: both copies change together
+    llama_moe_schedule(*mc);  // into free slots, which no table entry points at
     for (const auto & u : mc->in_flight) {
-        mc->enqueue(u);       // victims are unmapped in the published tables, so the worker may write them
+        mc->enqueue(u);
     }
 }
 
@@ -679,7 +702,8 @@ void llama_moe_cache_on_context_free(const llama_model & model, ggml_backend_sch
     llama_moe_cache_stats st;
     llama_model_moe_cache_get_stats(&model, &st);
     const uint64_t n = st.hits + st.misses;
-    LLAMA_LOG_INFO("moe-cache: %.1f%% hit, resident %.1f MiB, uploads %llu (%.1f MiB)\n",
+    // note: level NONE, so the line shows at the default verbosity, like the tools' own output
+    LLAMA_LOG("moe-cache: %.1f%% hit, resident %.1f MiB, uploads %llu (%.1f MiB)\n",
             n ? 100.0*st.hits/n : 0.0, st.resident_bytes/1024.0/1024.0,
             (unsigned long long) st.uploads, st.upload_bytes/1024.0/1024.0);
 }

@@ -4,16 +4,18 @@
 //
 // For every host-resident MoE layer (experts on the CPU, router on a device) the model owns
 // companion tensors in the router's buffer type:
-//   up/gate/down slots  [ne0, ne1, n_slots + 1]   slot n_slots is all zeros (the dummy slot)
-//   dev_table           I32 [1, n_expert]         expert id -> slot (n_slots when not resident)
+//   up/gate/down slots  [ne0, ne1, n_phys + 1]    n_phys = slots + staging; the last is all zeros
+//   dev_table           I32 [1, n_expert]         expert id -> slot (n_phys when not resident)
 // and, in a host buffer, the same table (src[3] of the host MUL_MAT_ID) plus the routing that the
 // last graph observed. A layer is computed twice, exactly split: the host chain skips resident
 // experts (their rows are zero), the device chain runs on the slots (misses hit the zero slot),
 // and the two down outputs are summed before the routing weights are applied.
 //
-// State changes only at llama_moe_cache_step(), at decode entry, while no graph is in flight:
-// uploads enqueued at step t are made visible at step t+1, so a graph never reads a torn slot
-// and the hit/miss sequence is a deterministic function of the routing.
+// State changes only at llama_moe_cache_step(), at decode entry, while no graph is in flight.
+// The misses of step t are known at the entry of step t+1; their uploads go to free (staging)
+// slots while step t+1 runs, and become resident at the entry of step t+2, evicting the least
+// recently used resident. A graph never reads a slot being written, residents keep serving while
+// uploads are in flight, and the hit/miss sequence is a deterministic function of the routing.
 
 #include "llama.h"
 
@@ -91,7 +93,7 @@ uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc);
 // what build_moe_ffn is about to build for one layer
 struct llama_moe_cache_ffn_desc {
     int      il;
-    int64_t  n_tokens;
+    int64_t  n_ubatch;        // tokens in the ubatch (the last layer may see fewer: only the outputs)
     const ggml_tensor * up_exps;
     const ggml_tensor * gate_exps;
     const ggml_tensor * down_exps;

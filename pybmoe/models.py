@@ -385,6 +385,41 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     return Metadata(kvs, tensors)
 
 
+@dataclass(frozen=True)
+class MoeShape:
+    """The MoE shape of any GGUF model, read from its header.
+
+    Units: ``n_layer`` blocks, ``n_expert`` experts per MoE layer, ``n_expert_used``
+    experts routed per token (top-k), ``n_embd`` elements.
+    """
+
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    n_embd: int
+
+
+def read_spec(path: str | os.PathLike) -> MoeShape:
+    """The :class:`MoeShape` of the GGUF at ``path``.
+
+    Raises:
+        ValueError: the file is not a MoE model (no ``<arch>.expert_count``).
+    """
+    kvs = read_metadata(path).kvs
+
+    def get(key: str) -> Any:
+        return kvs[key].value if key in kvs else None
+
+    arch = get("general.architecture")
+    arch = arch.decode() if isinstance(arch, bytes) else str(arch)
+    n_expert = get(f"{arch}.expert_count")
+    if not n_expert:
+        raise ValueError(f"{path} is not a MoE model: it has no {arch}.expert_count")
+    return MoeShape(arch, int(get(f"{arch}.block_count")), int(n_expert),
+                    int(get(f"{arch}.expert_used_count")), int(get(f"{arch}.embedding_length")))
+
+
 def read_tensor(path: str | os.PathLike, info: TensorInfo) -> np.ndarray:
     """The raw data of one tensor as a read-only array: numpy shape is ``reversed(info.shape)``,
     with the last axis in bytes for quantized types (what ``gguf.quants.dequantize`` takes)."""

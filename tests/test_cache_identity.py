@@ -39,9 +39,9 @@ def logits_run(model: Path, rpc: engine.RpcServer, slots: int, inserts: int, tmp
         if line.startswith("moe-cache-layer"):
             _, il, h, m = line.split()
             layers[int(il)] = (int(h), int(m))
-        elif line.strip():
-            tokens.append(int(line))
-    return LogitsRun(tokens, out.read_bytes(), layers, r.stderr)
+        elif line.startswith("token "):
+            tokens.append(int(line.split()[1]))
+    return LogitsRun(tokens, out.read_bytes(), layers, r.stdout + r.stderr)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@
 //                 --moe-expert-cache, ...]
 //
 // FILE gets, for each decode step (one token each), n_vocab float32 values in native byte order.
-// stdout gets the generated token ids, one per line. The prompt is decoded as one batch (prefill).
+// stdout gets the generated token ids, one per line ("token ID"). The prompt is decoded as one batch (prefill).
 // After the context is freed, stdout gets one line per cached layer: "moe-cache-layer IL HITS MISSES".
 
 #include "arg.h"
@@ -82,7 +82,7 @@ int main(int argc, char ** argv) {
                 tok = t;
             }
         }
-        printf("%d\n", tok);
+        printf("token %d\n", tok);
         fflush(stdout);
         if (i + 1 < params.n_predict && llama_decode(ctx, llama_batch_get_one(&tok, 1)) != 0) {
             fprintf(stderr, "pybmoe-logits: decode failed at step %d\n", i);
