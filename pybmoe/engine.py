@@ -3,8 +3,10 @@
 Binaries are looked up, in order, in:
 
 1. ``$PYBMOE_BIN_DIR``;
-2. ``pybmoe/bin/`` inside the installed package (what ``pip install .`` ships);
-3. ``build/dev/bin/`` of a source checkout (a developer build made with cmake).
+2. ``pybmoe/bin/`` next to this module (what ``pip install .`` ships);
+3. ``pybmoe/bin/`` in the environment's site-packages (when this module is imported from a
+   source checkout but pybmoe is installed);
+4. ``build/dev/bin/`` of a source checkout (a developer build made with cmake).
 
 Everything here raises :class:`EngineError` (or a subclass) with a message that
 names the binary, the command line or the log that explains the failure.
@@ -20,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.error
@@ -41,6 +44,9 @@ def bin_dirs() -> list[Path]:
         dirs.append(Path(os.environ["PYBMOE_BIN_DIR"]))
     here = Path(__file__).resolve().parent
     dirs.append(here / "bin")
+    site = Path(sysconfig.get_paths()["platlib"]) / "pybmoe" / "bin"
+    if site not in dirs:
+        dirs.append(site)
     dirs.append(here.parent / "build" / "dev" / "bin")
     return dirs
 
