@@ -30,7 +30,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BINARIES = ("llama-server", "llama-cli", "llama-bench", "test-backend-ops", "ggml-rpc-server", "pybmoe-logits")
+BINARIES = ("llama-server", "llama-cli", "llama-bench", "test-backend-ops", "ggml-rpc-server", "pybmoe-logits",
+            "pybmoe-test-skip")
 
 
 class EngineError(RuntimeError):

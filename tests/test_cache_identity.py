@@ -26,12 +26,17 @@ class LogitsRun:
     log: str
 
 
-def logits_run(model: Path, rpc: engine.RpcServer, slots: int, inserts: int, tmp: Path,
-               n_predict: int = N_PREDICT) -> LogitsRun:
-    out = tmp / f"logits-{model.stem}-{slots}-{inserts}.bin"
+def logits_run(model: Path, rpc: engine.RpcServer, slots: int | None, inserts: int, tmp: Path,
+               n_predict: int = N_PREDICT, repack: bool = False) -> LogitsRun:
+    """slots None: no cache flags at all; repack: let Q4_0/Q4_K host experts be repacked."""
+    out = tmp / f"logits-{model.stem}-{slots}-{inserts}-{int(repack)}.bin"
+    layout = engine.host_experts_args(rpc.endpoint)
+    if repack:
+        layout.remove("--no-repack")
+        layout.append("-v")  # the buffer types are logged at INFO
     cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model),
-           "-p", PROMPT, "-n", str(n_predict), "-c", "512", "-t", "2", "--fit", "off",
-           *engine.host_experts_args(rpc.endpoint), *engine.cache_args(slots, inserts)]
+           "-p", PROMPT, "-n", str(n_predict), "-c", "512", "-t", "2", "--fit", "off", *layout,
+           *([] if slots is None else engine.cache_args(slots, inserts))]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
     tokens, layers = [], {}
@@ -60,6 +65,26 @@ def test_cache_off_is_inert(baseline):
     assert len(baseline.tokens) == N_PREDICT
     # 63 single-token decode steps were recorded
     assert len(baseline.logits) % (N_PREDICT - 1) == 0 and len(baseline.logits) > 0
+
+
+def test_zero_is_the_same_as_no_flag(model_q8, rpc, baseline, tmp_path):
+    plain = logits_run(model_q8, rpc, None, 0, tmp_path)
+    assert plain.logits == baseline.logits and plain.tokens == baseline.tokens
+
+
+def test_repacked_host_experts_upload_gguf_bytes(rpc, tmp_path):
+    """Q4_K host experts in the CPU_REPACK buffer: slots are filled from the GGUF, not the repacked
+    tensor. Host (repacked kernels) and device (plain kernels) round differently, so the check is
+    closeness to cache-off, which garbage slot bytes would break by orders of magnitude."""
+    import numpy as np
+    model = models.default_model_path("Q4_K")
+    off = logits_run(model, rpc, 0, 0, tmp_path, n_predict=16, repack=True)
+    on = logits_run(model, rpc, 8, 0, tmp_path, n_predict=16, repack=True)
+    assert "CPU_REPACK" in on.log
+    a = np.frombuffer(off.logits, dtype=np.float32)
+    b = np.frombuffer(on.logits, dtype=np.float32)
+    assert a.shape == b.shape and sum(h for h, _ in on.layers.values()) > 0
+    assert np.max(np.abs(a - b)) < 0.05 * np.max(np.abs(a))
 
 
 @pytest.mark.parametrize("inserts", [1, 0])
