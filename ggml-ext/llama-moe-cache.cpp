@@ -261,7 +261,8 @@ void llama_moe_account(llama_moe_cache & mc) {
 }
 
 // make a finished upload resident; evicts the least recently used resident when the layer is full
-// (never one selected in the last observed step; ties go to the lowest slot)
+// (never one selected in the last observed step; ties go to the lowest expert id, so the choice
+// depends on the routing only, not on slot placement)
 void llama_moe_admit(llama_moe_cache_layer & l, int32_t e, int32_t p) {
     if (l.n_resident == l.n_slots) {
         int32_t victim = -1;
@@ -269,7 +270,9 @@ void llama_moe_admit(llama_moe_cache_layer & l, int32_t e, int32_t p) {
             if (l.slot_state[q] != LLAMA_MOE_SLOT_RESIDENT || l.used[l.slot_expert[q]] >= l.last_step) {
                 continue;
             }
-            if (victim < 0 || l.used[l.slot_expert[q]] < l.used[l.slot_expert[victim]]) {
+            const int32_t x = l.slot_expert[q];
+            const int32_t v = victim < 0 ? -1 : l.slot_expert[victim];
+            if (victim < 0 || l.used[x] < l.used[v] || (l.used[x] == l.used[v] && x < v)) {
                 victim = q;
             }
         }
