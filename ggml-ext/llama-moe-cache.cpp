@@ -5,6 +5,7 @@
 #include "llama-impl.h"
 #include "llama-model.h"
 #include "llama-model-loader.h"
+#include "llama-batch.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -77,6 +78,8 @@ struct llama_moe_cache_layer {
     std::vector<int32_t>  slot_expert; // [n_phys]   -1 when free
     std::vector<uint8_t>  slot_state;  // [n_phys]   llama_moe_slot_state
     std::vector<int32_t>  misses_now;  // experts missed in the last observed step, in router order
+    std::vector<int8_t>   hits_now;    // per lookup of the last observed step: 1 hit, 0 miss
+    bool     served_now = false;       // the last ubatch's graph ran this layer through the cache
     uint64_t last_step  = 0;           // step of misses_now
     int32_t  n_resident = 0;           // <= n_slots
     bool     dirty      = false;       // table changed since the last publish
@@ -125,11 +128,75 @@ struct llama_moe_cache {
     std::vector<FILE *> files;
     std::vector<uint8_t> staging;
 
+    // routing trace (--moe-trace): every MoE layer's selected ids, written by a writer thread
+    struct trace_layer {
+        int32_t il;
+        int32_t n_used;
+        ggml_tensor * obs; // I32 [n_used * trace_cap], -1 = not written
+    };
+    std::vector<trace_layer> tlayers;
+    std::vector<int32_t>     tlayer_of_il;
+    ggml_context_ptr         trace_ctx;
+    ggml_backend_buffer_ptr  trace_buf;
+    int64_t  trace_cap     = 0; // tokens per ubatch the trace buffers hold
+    uint64_t trace_ubatch  = 0;
+    uint64_t trace_token   = 0;
+    FILE *   trace_file    = nullptr;
+    std::thread             trace_writer;
+    std::mutex              trace_mutex;
+    std::condition_variable trace_cv;
+    std::deque<std::string> trace_queue;
+    bool                    trace_stop = false;
+
+    bool tracing() const {
+        return trace_file != nullptr;
+    }
+
+    void trace_push(std::string && rows) {
+        {
+            std::lock_guard<std::mutex> lock(trace_mutex);
+            trace_queue.push_back(std::move(rows));
+        }
+        trace_cv.notify_one();
+    }
+
+    void trace_writer_main() {
+        for (;;) {
+            std::string rows;
+            {
+                std::unique_lock<std::mutex> lock(trace_mutex);
+                trace_cv.wait(lock, [&] { return trace_stop || !trace_queue.empty(); });
+                if (trace_queue.empty()) {
+                    return; // stopped and drained
+                }
+                rows = std::move(trace_queue.front());
+                trace_queue.pop_front();
+            }
+            fwrite(rows.data(), 1, rows.size(), trace_file);
+        }
+    }
+
+    void trace_close() {
+        if (trace_writer.joinable()) {
+            {
+                std::lock_guard<std::mutex> lock(trace_mutex);
+                trace_stop = true;
+            }
+            trace_cv.notify_all();
+            trace_writer.join();
+        }
+        if (trace_file) {
+            fclose(trace_file);
+            trace_file = nullptr;
+        }
+    }
+
     bool enabled() const {
         return n_slots > 0 && !layers.empty();
     }
 
     ~llama_moe_cache() {
+        trace_close();
         stop_worker();
         for (FILE * f : files) {
             if (f) {
@@ -233,16 +300,19 @@ void llama_moe_account(llama_moe_cache & mc) {
     for (auto & l : mc.layers) {
         int32_t * obs = (int32_t *) l.observed->data;
         const int64_t n = ggml_nelements(l.observed);
-        if (obs[0] < 0) {
+        l.served_now = obs[0] >= 0;
+        if (!l.served_now) {
             continue;
         }
         any = true;
         l.misses_now.clear();
+        l.hits_now.clear();
         l.last_step = mc.step;
         for (int64_t i = 0; i < n && obs[i] >= 0; ++i) {
             const int32_t e = obs[i];
             GGML_ASSERT(e < l.n_expert);
             l.used[e] = mc.step;
+            l.hits_now.push_back(l.table[e] < l.n_phys);
             if (l.table[e] < l.n_phys) {
                 l.hits++;
             } else {
@@ -587,15 +657,38 @@ bool llama_model_moe_cache_get_layer_stats(const llama_model * model, int32_t il
 //
 
 const llama_moe_cache * llama_moe_cache_active(const llama_model & model) {
-    return model.moe_cache && model.moe_cache->enabled() ? model.moe_cache : nullptr;
+    const llama_moe_cache * mc = model.moe_cache;
+    return mc && (mc->enabled() || mc->tracing()) ? mc : nullptr;
 }
 
 uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc) {
-    return mc && mc->enabled() ? 16u * (uint32_t) mc->layers.size() : 0u;
+    if (mc == nullptr) {
+        return 0;
+    }
+    return 16u * (uint32_t) (mc->enabled() ? mc->layers.size() : 0) + 4u * (uint32_t) mc->tlayers.size();
+}
+
+// trace: copy the selected ids of every MoE layer into a host tensor (runs on the CPU)
+static void llama_moe_trace_build(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d) {
+    if (!mc->tracing() || d.il < 0 || d.il >= (int) mc->tlayer_of_il.size() || mc->tlayer_of_il[d.il] < 0) {
+        return;
+    }
+    const auto & t = mc->tlayers[mc->tlayer_of_il[d.il]];
+    const int64_t n = d.selected->ne[0] * d.selected->ne[1];
+    if (d.selected->ne[0] != t.n_used || n > ggml_nelements(t.obs)) {
+        llama_moe_log_once("trace-cap", "WARNING the routing trace skips graphs of more than %lld tokens (the ubatch "
+                "size it was opened with)", (long long) mc->trace_cap);
+        return;
+    }
+    ggml_build_forward_expand(d.gf, ggml_cpy(d.ctx, d.selected, ggml_view_1d(d.ctx, t.obs, n, 0)));
 }
 
 const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d) {
-    if (mc == nullptr || d.il < 0 || d.il >= (int) mc->layer_of_il.size() || mc->layer_of_il[d.il] < 0) {
+    if (mc == nullptr) {
+        return nullptr;
+    }
+    llama_moe_trace_build(mc, d);
+    if (!mc->enabled() || d.il < 0 || d.il >= (int) mc->layer_of_il.size() || mc->layer_of_il[d.il] < 0) {
         return nullptr;
     }
     const llama_moe_cache_layer & l = mc->layers[mc->layer_of_il[d.il]];
@@ -665,17 +758,74 @@ ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, 
 // step-time
 //
 
-void llama_moe_cache_step(const llama_model & model, ggml_backend_sched_t sched) {
+// trace rows of the ubatch just computed; the hit column comes from the cache's accounting
+static void llama_moe_trace_rows(llama_moe_cache & mc, const llama_ubatch & ub) {
+    const bool decode = ub.n_tokens == 1;
+    std::string rows;
+    int64_t n_rows_max = 0;
+    for (auto & t : mc.tlayers) {
+        int32_t * obs = (int32_t *) t.obs->data;
+        const int64_t n = ggml_nelements(t.obs);
+        int64_t n_ids = 0;
+        while (n_ids < n && obs[n_ids] >= 0) {
+            n_ids++;
+        }
+        if (n_ids == 0) {
+            continue;
+        }
+        const int64_t n_rows = n_ids / t.n_used;
+        n_rows_max = std::max(n_rows_max, n_rows);
+        const llama_moe_cache_layer * cl = nullptr;
+        if (t.il < (int) mc.layer_of_il.size() && mc.layer_of_il[t.il] >= 0) {
+            cl = &mc.layers[mc.layer_of_il[t.il]];
+            cl = cl->served_now && (int64_t) cl->hits_now.size() == n_ids ? cl : nullptr;
+        }
+        // note: a layer that computes fewer rows than the ubatch has (the last layer computes only the
+        // outputs) maps its rows onto the tokens flagged as outputs, in order
+        int64_t tok = -1;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            if (n_rows == (int64_t) ub.n_tokens) {
+                tok = r;
+            } else {
+                do { tok++; } while (tok < (int64_t) ub.n_tokens && ub.output && !ub.output[tok]);
+            }
+            for (int32_t k = 0; k < t.n_used; ++k) {
+                const int64_t i = r * t.n_used + k;
+                char line[128];
+                snprintf(line, sizeof(line), "engine,%s,%llu,%llu,%d,%d,%d,%d\n", decode ? "decode" : "prefill",
+                        (unsigned long long) mc.trace_ubatch, (unsigned long long) (mc.trace_token + tok), t.il, k,
+                        obs[i], cl ? (int) cl->hits_now[i] : -1);
+                rows += line;
+            }
+        }
+        std::fill(obs, obs + n, -1);
+    }
+    if (!rows.empty()) {
+        mc.trace_push(std::move(rows));
+    }
+    mc.trace_ubatch++;
+    mc.trace_token += ub.n_tokens;
+}
+
+void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch & ubatch) {
     llama_moe_cache * mc = model.moe_cache;
-    if (mc == nullptr || !mc->enabled()) {
+    if (mc == nullptr || !(mc->enabled() || mc->tracing())) {
         return;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
-    ggml_backend_sched_synchronize(sched);
+    ggml_backend_sched_synchronize(sched); // no graph in flight from here on
 
-    llama_moe_account(*mc);
+    if (mc->enabled()) {
+        llama_moe_account(*mc);
+    }
+    if (mc->tracing()) {
+        llama_moe_trace_rows(*mc, ubatch);
+    }
+    if (!mc->enabled()) {
+        return;
+    }
 
-    // uploads enqueued at the previous step become visible now
+    // uploads started after the previous ubatch become visible now
     mc->wait_uploads();
     for (const auto & u : mc->in_flight) {
         auto & l = mc->layers[u.layer];
@@ -685,22 +835,17 @@ void llama_moe_cache_step(const llama_model & model, ggml_backend_sched_t sched)
     }
     mc->in_flight.clear();
 
-    llama_moe_publish(*mc);   // no graph in flight: both copies change together
+    llama_moe_publish(*mc);   // both copies change together
     llama_moe_schedule(*mc);  // into free slots, which no table entry points at
     for (const auto & u : mc->in_flight) {
-        mc->enqueue(u);
+        mc->enqueue(u);       // copied while the next graph runs
     }
 }
 
-void llama_moe_cache_on_context_free(const llama_model & model, ggml_backend_sched_t sched) {
+void llama_moe_cache_on_context_free(const llama_model & model) {
     llama_moe_cache * mc = model.moe_cache;
     if (mc == nullptr || !mc->enabled()) {
         return;
-    }
-    {
-        std::lock_guard<std::mutex> lock(mc->mutex);
-        ggml_backend_sched_synchronize(sched);
-        llama_moe_account(*mc); // its misses are scheduled at the next step of any context
     }
     llama_moe_cache_stats st;
     llama_model_moe_cache_get_stats(&model, &st);
@@ -709,4 +854,64 @@ void llama_moe_cache_on_context_free(const llama_model & model, ggml_backend_sch
     LLAMA_LOG("moe-cache: %.1f%% hit, resident %.1f MiB, uploads %llu (%.1f MiB)\n",
             n ? 100.0*st.hits/n : 0.0, st.resident_bytes/1024.0/1024.0,
             (unsigned long long) st.uploads, st.upload_bytes/1024.0/1024.0);
+}
+
+int32_t llama_model_moe_trace_open(llama_model * model, const char * path, int32_t n_ubatch) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (path == nullptr || path[0] == '\0') {
+        return 0;
+    }
+    if (mc == nullptr) {
+        LLAMA_LOG_ERROR("%s: moe-trace: the model was not loaded from a GGUF path; no trace\n", __func__);
+        return -1;
+    }
+    if (mc->tracing()) {
+        LLAMA_LOG_ERROR("%s: moe-trace: already tracing\n", __func__);
+        return -1;
+    }
+    if (n_ubatch <= 0) {
+        LLAMA_LOG_ERROR("%s: moe-trace: n_ubatch must be > 0, got %d\n", __func__, n_ubatch);
+        return -1;
+    }
+    const auto & hp = model->hparams;
+    std::vector<int> ils;
+    for (int il = 0; il < (int) model->layers.size(); ++il) {
+        if (model->layers[il].ffn_gate_inp && (model->layers[il].ffn_up_exps || model->layers[il].ffn_gate_up_exps)) {
+            ils.push_back(il);
+        }
+    }
+    if (ils.empty()) {
+        LLAMA_LOG_WARN("%s: moe-trace: WARNING the model has no MoE layers; %s stays empty\n", __func__, path);
+    }
+    FILE * f = fopen(path, "wb");
+    if (f == nullptr) {
+        LLAMA_LOG_ERROR("%s: moe-trace: cannot write %s\n", __func__, path);
+        return -1;
+    }
+    const int32_t n_used = (int32_t) hp.n_expert_used();
+    fprintf(f, "# pybmoe-trace v1 n_layer=%d n_expert=%d n_expert_used=%d slots=%d inserts=%d\n",
+            (int) model->layers.size(), (int) hp.n_expert, n_used, mc->n_slots, mc->n_inserts);
+    fprintf(f, "workload,phase,ubatch,token,layer,rank,expert,hit\n");
+
+    ggml_init_params params = { ils.size() * ggml_tensor_overhead() + 1, nullptr, true };
+    mc->trace_ctx.reset(ggml_init(params));
+    mc->tlayer_of_il.assign(model->layers.size(), -1);
+    for (int il : ils) {
+        ggml_tensor * t = ggml_new_tensor_1d(mc->trace_ctx.get(), GGML_TYPE_I32, (int64_t) n_used * n_ubatch);
+        ggml_format_name(t, "blk.%d.ffn_moe_trace", il);
+        mc->tlayer_of_il[il] = (int32_t) mc->tlayers.size();
+        mc->tlayers.push_back({ il, n_used, t });
+    }
+    if (!ils.empty()) {
+        mc->trace_buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(mc->trace_ctx.get(), ggml_backend_cpu_buffer_type()));
+        GGML_ASSERT(mc->trace_buf);
+        for (auto & t : mc->tlayers) {
+            std::fill((int32_t *) t.obs->data, (int32_t *) t.obs->data + ggml_nelements(t.obs), -1);
+        }
+    }
+    mc->trace_cap  = n_ubatch;
+    mc->trace_file = f;
+    mc->trace_writer = std::thread([mc] { mc->trace_writer_main(); });
+    LLAMA_LOG_INFO("%s: moe-trace: writing the routing of %zu MoE layers to %s\n", __func__, ils.size(), path);
+    return (int32_t) ils.size();
 }

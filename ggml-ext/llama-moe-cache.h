@@ -11,9 +11,9 @@
 // experts (their rows are zero), the device chain runs on the slots (misses hit the zero slot),
 // and the two down outputs are summed before the routing weights are applied.
 //
-// State changes only at llama_moe_cache_step(), at decode entry, while no graph is in flight.
-// The misses of step t are known at the entry of step t+1; their uploads go to free (staging)
-// slots while step t+1 runs, and become resident at the entry of step t+2, evicting the least
+// State changes only in llama_moe_cache_after_ubatch(), right after a ubatch's graph, with no graph
+// in flight. The misses of step t are known then; their uploads go to free (staging) slots while
+// step t+1 runs, and become resident after step t+1 (so for step t+2), evicting the least
 // recently used resident. A graph never reads a slot being written, residents keep serving while
 // uploads are in flight, and the hit/miss sequence is a deterministic function of the routing.
 
@@ -64,6 +64,13 @@ LLAMA_API int32_t llama_model_moe_cache_init(struct llama_model * model, int32_t
 // Totals over all cached layers. Returns false when the model has no cache.
 LLAMA_API bool llama_model_moe_cache_get_stats(const struct llama_model * model, struct llama_moe_cache_stats * out);
 
+// Writes the routing of every MoE layer to `path` (CSV, "# pybmoe-trace v1 ..." then
+// workload,phase,ubatch,token,layer,rank,expert,hit; hit is 1/0 for lookups the cache served, -1
+// otherwise). n_ubatch: the largest ubatch the contexts will run (tokens). Call before creating
+// contexts; rows are written by a writer thread, and the file is closed when the model is freed.
+// Returns the number of traced layers, or a negative value on error.
+LLAMA_API int32_t llama_model_moe_trace_open(struct llama_model * model, const char * path, int32_t n_ubatch);
+
 // Per-layer lookups. il is the model layer index. Returns false when layer il is not cached.
 LLAMA_API bool llama_model_moe_cache_get_layer_stats(const struct llama_model * model, int32_t il,
                                                      uint64_t * hits, uint64_t * misses);
@@ -77,6 +84,7 @@ LLAMA_API bool llama_model_moe_cache_get_layer_stats(const struct llama_model * 
 //
 
 struct llama_model_loader;
+struct llama_ubatch;
 
 // records where each expert tensor's bytes live in the GGUF file(s); called once after load
 void llama_moe_cache_record_sources(llama_model & model, const llama_model_loader & ml,
@@ -84,7 +92,7 @@ void llama_moe_cache_record_sources(llama_model & model, const llama_model_loade
 
 void llama_moe_cache_free(llama_moe_cache * mc);
 
-// the cache to use for graphs of this model, or nullptr when it is off
+// the cache to use for graphs of this model (the cache and/or the trace), or nullptr when both are off
 const llama_moe_cache * llama_moe_cache_active(const llama_model & model);
 
 // extra graph nodes the cache adds (for graph_max_nodes)
@@ -92,6 +100,9 @@ uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc);
 
 // what build_moe_ffn is about to build for one layer
 struct llama_moe_cache_ffn_desc {
+    ggml_context * ctx;
+    ggml_cgraph  * gf;
+    ggml_tensor  * selected;  // I32 [n_expert_used, n_tokens], the routing (traced when --moe-trace is on)
     int      il;
     int64_t  n_ubatch;        // tokens in the ubatch (the last layer may see fewer: only the outputs)
     const ggml_tensor * up_exps;
@@ -106,7 +117,8 @@ struct llama_moe_cache_ffn_desc {
     bool     has_lora;
 };
 
-// the cache layer that serves this FFN, or nullptr (the stock graph is built; the reason is logged once)
+// the cache layer that serves this FFN, or nullptr (the stock graph is built; the reason is logged once);
+// also adds the trace node when tracing
 const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d);
 
 // Marks the host chain that ends in down_h (MUL_MAT_ID <- GLU <- {gate, up} MUL_MAT_ID) to skip
@@ -117,9 +129,9 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
 ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_cache_layer * l,
                                           ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * down_h);
 
-// decode entry: wait for the graph in flight, account its routing, publish finished uploads,
-// start new ones. Tables change only here.
-void llama_moe_cache_step(const llama_model & model, ggml_backend_sched_t sched);
+// after each ubatch's graph: wait for it, account its routing (and write trace rows), publish the
+// uploads started after the previous ubatch, start new ones. Tables change only here.
+void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch & ubatch);
 
-// context teardown: account the last graph and print the summary line
-void llama_moe_cache_on_context_free(const llama_model & model, ggml_backend_sched_t sched);
+// context teardown: print the summary line
+void llama_moe_cache_on_context_free(const llama_model & model);

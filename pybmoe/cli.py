@@ -6,6 +6,9 @@
     pybmoe serve ARGS...     exec the patched llama-server (every upstream flag passes through)
     pybmoe demo              cache off vs on on the embedded model, with a loopback RPC device
     pybmoe bin [NAME]        print where the patched binaries are
+    pybmoe trace ...         routing traces: convert IN -o OUT | stats IN
+    pybmoe simulate TRACE    replay expert-cache policies over a routing trace
+    pybmoe size -m MODEL     recommend cache slots per layer (from a trace if given)
 """
 from __future__ import annotations
 
@@ -59,6 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         return demo.main(rest)
     if cmd == "bin":
         return _bin(rest)
+    if cmd == "trace":
+        from . import trace
+        return trace.main(rest)
+    if cmd == "simulate":
+        from . import sim
+        return sim.main(rest)
+    if cmd == "size":
+        from . import sizing
+        return sizing.main(rest)
     print(f"pybmoe: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 
