@@ -309,6 +309,20 @@ class _Units:
     wl_units: np.ndarray  # int64 [workloads + 1] first unit of each workload
 
 
+def _argsort_keys(keys: tuple[np.ndarray, ...]) -> np.ndarray:
+    """``np.lexsort(keys)`` (last key most significant), through one int64 composite key when it fits."""
+    if not len(keys[0]):
+        return np.zeros(0, dtype=np.int64)
+    span = [int(k.max()) + 1 for k in keys]
+    if all(int(k.min()) >= 0 for k in keys) and math.prod(span) < 2**62:
+        comp = np.zeros(len(keys[0]), dtype=np.int64)
+        for k, n in zip(reversed(keys), reversed(span)):
+            comp *= n
+            comp += k
+        return np.argsort(comp, kind="stable")
+    return np.lexsort(keys)
+
+
 class Replay:
     """A trace prepared for replay: codes, sort orders and unit boundaries, computed once.
 
@@ -383,7 +397,7 @@ class Replay:
 
     def _units(self, rows: np.ndarray, order_keys: tuple, unit_keys: tuple, stream_keys: tuple,
                ids: np.ndarray, served: np.ndarray) -> _Units:
-        order = rows[np.lexsort(tuple(k[rows] for k in order_keys))]
+        order = rows[_argsort_keys(tuple(k[rows] for k in order_keys))]
         n = len(order)
         if n == 0:
             return _Units(order, ids[order].astype(np.int32), np.zeros(1, np.int64), np.zeros(0, np.uint8),
@@ -638,6 +652,10 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
             _global_py(policy, start, flags, ids, rp.n_entries, entries, out, counters)
             return 0
 
+    if units is None:                  # static: the counted rows, grouped by workload
+        rows = np.flatnonzero(counted)
+        rows = rows[np.argsort(rp.wl[rows], kind="stable")]
+        bounds = np.searchsorted(rp.wl[rows], np.arange(len(rp.workloads) + 1))
     for w in range(len(rp.workloads)):
         if units is not None:
             out, counters = _run_units(units, w, fn)
@@ -645,14 +663,13 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
             predicted[units.rows[int(units.start[u0]):int(units.start[u1])]] = out
             uploads[w] = counters[0]
         else:
-            rows = np.flatnonzero(counted & (rp.wl == w))
-            ent = rp.lay[rows] * rp.n_expert + rp.expert[rows]
+            r = rows[bounds[w]:bounds[w + 1]]
+            ent = rp.lay[r] * rp.n_expert + rp.expert[r]
             c = np.bincount(ent, minlength=rp.n_entries)
             n_pin = min(entries, int((c > 0).sum()))
-            pinned = np.lexsort((np.arange(rp.n_entries), -c))[:n_pin]
             is_pinned = np.zeros(rp.n_entries, dtype=bool)
-            is_pinned[pinned] = True
-            predicted[rows] = is_pinned[ent].astype(np.int8)
+            is_pinned[np.argsort(-c, kind="stable")[:n_pin]] = True     # ties: the lower entry
+            predicted[r] = is_pinned[ent]
             uploads[w] = n_pin
         if progress:
             progress(1)
@@ -895,7 +912,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.output.parent.mkdir(parents=True, exist_ok=True)
         df.to_csv(a.output, index=False)
     if a.csv:
-        df.to_csv(sys.stdout, index=False, lineterminator="\n")
+        try:
+            df.to_csv(sys.stdout, index=False, lineterminator="\n")
+            sys.stdout.flush()
+        except BrokenPipeError:          # e.g. piped into head
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
     else:
         _print_report(rp, df, a.phase)
     if a.batch_table:

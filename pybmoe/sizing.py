@@ -126,7 +126,7 @@ def recommend(shape: ModelShape, *, free_mib: float | None = None, trace: tr.Tra
                          columns=["slots_per_layer", "staging", "device_mib", "hit_rate"])
     if s_max == 0:
         warnings.append(f"not even one slot per layer fits in {free_mib} MiB "
-                        f"(one slot costs {device_bytes(1, shape, inserts) / MIB:.1f} MiB): leave the cache off")
+                        f"(one slot per layer costs {device_bytes(1, shape, inserts) / MIB:.3g} MiB): leave the cache off")
         return Recommendation(shape, 0, 0.0, math.nan, True, table, warnings)
     best = s_max
     if trace is not None:
@@ -159,12 +159,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pybmoe size: error: {e}", file=sys.stderr)
         return 2
     print(f"{a.model.name}: {shape.n_layer} MoE layers x {shape.n_expert} experts, top-{shape.top_k}, "
-          f"{shape.expert_bytes / MIB:.3f} MiB per expert")
-    print(rec.table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+          f"{shape.expert_bytes / MIB:.3g} MiB per expert")
+    if len(rec.table):
+        print(rec.table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     hit = f", expected hit rate {100 * rec.hit_rate:.1f}% (decode, from {a.trace.name})" if t is not None else ""
     print(f"recommended: --moe-expert-cache {rec.slots_per_layer}"
           + (f" --moe-expert-cache-inserts {a.inserts}" if a.inserts else "")
-          + f"  ({rec.device_mib:.1f} MiB on the device{hit})")
+          + f"  ({rec.device_mib:.3g} MiB on the device{hit})")
     for w in rec.warnings:
         print(f"warning: {w}", file=sys.stderr)
     return 0

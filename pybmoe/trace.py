@@ -47,6 +47,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
+from pandas.api.types import union_categoricals
 
 #: Version written in (and accepted from) the first line of an engine CSV.
 FORMAT_VERSION = 1
@@ -149,7 +150,9 @@ def _categorical(values: Any, categories: Sequence[str] | None = None) -> pd.Cat
             return pd.Categorical.from_codes(remap[codes], categories=list(cats[seen]))
         codes, uniques = pd.factorize(pd.Series(values).astype(str), sort=False)
         return pd.Categorical.from_codes(codes, categories=[str(u) for u in uniques])
-    return pd.Categorical(pd.Series(values).astype(str), categories=list(categories))
+    if isinstance(getattr(values, "dtype", None), pd.CategoricalDtype):
+        return pd.Series(values).cat.set_categories(list(categories)).array
+    return pd.Categorical(values, categories=list(categories))
 
 
 def from_frame(frame: pd.DataFrame, meta: TraceMeta | None = None, source: str = "") -> Trace:
@@ -230,7 +233,8 @@ def concat(traces: Iterable[Trace]) -> Trace:
         if dup:
             raise ValueError(f"workload name(s) {sorted(dup)} appear in more than one trace; accepted: distinct names")
         names += t.workloads
-    frame = pd.concat([t.frame.astype({"workload": str}) for t in traces], ignore_index=True)
+    frame = pd.concat([t.frame.drop(columns="workload") for t in traces], ignore_index=True)
+    frame.insert(0, "workload", union_categoricals([t.frame["workload"] for t in traces]))
     m = traces[0].meta
     meta = TraceMeta(max(t.meta.n_layer for t in traces), max(t.meta.n_expert for t in traces),
                      max(t.meta.n_expert_used for t in traces), m.slots, m.inserts, dict(m.extra))
@@ -488,23 +492,28 @@ def _overlap_sums(wl: np.ndarray, tok: np.ndarray, lay: np.ndarray, exp: np.ndar
     """
     n_lay = int(lay.max()) + 1 if len(lay) else 1
     n_wl = int(wl.max()) + 1 if len(wl) else 1
-    T = int(tok.max()) + 2 if len(tok) else 2
-    tl = (wl * T + tok) * n_lay + lay                     # one (workload, token, layer) group
-    key = tl * n_expert + exp
-    prev_tl = tl - n_lay                                  # the same layer, one token earlier
-    skey = np.sort(key)
-    pos = np.searchsorted(skey, prev_tl * n_expert + exp)
-    shared = (pos < len(skey)) & (skey[np.minimum(pos, len(skey) - 1)] == prev_tl * n_expert + exp)
-    stl = np.unique(tl)
-    pos = np.searchsorted(stl, prev_tl)
-    has_prev = (tok > 0) & (pos < len(stl)) & (stl[np.minimum(pos, len(stl) - 1)] == prev_tl)
-    groups, inv = np.unique(tl[has_prev], return_inverse=True)
-    n = np.bincount(inv, minlength=len(groups))
-    sh = np.bincount(inv, weights=shared[has_prev], minlength=len(groups))
-    g_wl_lay = (groups // n_lay // T) * n_lay + groups % n_lay
+    T = int(tok.max()) + 2 if len(tok) else 2         # + 2: token T - 1 never occurs, so no false neighbours
+    E = n_expert
+    # sorted by (workload, layer, expert, token): a lookup is shared with the previous token
+    # exactly when the key before it is one less
+    ks = np.sort(((wl * n_lay + lay) * E + exp) * T + tok)
+    shared = np.zeros(len(ks), dtype=bool)
+    shared[1:] = ks[1:] == ks[:-1] + 1
+    grp = (ks // (E * T)) * T + ks % T                   # (workload, layer, token)
+    order = np.argsort(grp, kind="stable")
+    g = grp[order]
+    first = np.ones(len(g), dtype=bool)
+    first[1:] = g[1:] != g[:-1]
+    starts = np.flatnonzero(first)
+    groups = g[starts]
+    n = np.diff(np.append(starts, len(g)))
+    sh = np.add.reduceat(shared[order].astype(np.int64), starts) if len(starts) else np.zeros(0, np.int64)
+    has_prev = np.zeros(len(groups), dtype=bool)
+    has_prev[1:] = groups[1:] == groups[:-1] + 1          # token t - 1 of the same (workload, layer)
+    wl_lay = groups[has_prev] // T
     size = n_wl * n_lay
-    pairs = np.bincount(g_wl_lay, minlength=size)
-    ov = np.bincount(g_wl_lay, weights=sh / np.maximum(n, 1), minlength=size)
+    pairs = np.bincount(wl_lay, minlength=size)
+    ov = np.bincount(wl_lay, weights=sh[has_prev] / n[has_prev], minlength=size)
     return pairs, ov, n_lay
 
 
