@@ -23,7 +23,7 @@ def hit_rate_plot(df: pd.DataFrame, path: str | os.PathLike, *, n_layer: int, to
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .sim import pooled, token_cycle
+    from .sim import pooled, token_cycle, zero_hit_entries
 
     if len(df) == 0:
         raise ValueError("nothing to plot: the frame has no rows; accepted: a sweep() frame")
@@ -37,7 +37,7 @@ def hit_rate_plot(df: pd.DataFrame, path: str | os.PathLike, *, n_layer: int, to
         color, marker = styles.get(policy, (None, "."))
         ax.plot(g["budget_entries"], 100 * g["hit_rate"], marker=marker, markersize=3.5, linewidth=1.4,
                 color=color, label=policy)
-    ax.axvspan((n_layer - 1) * top_k, cycle, color="0.85", zorder=0)
+    ax.axvspan(zero_hit_entries(n_layer, top_k, n_expert), cycle, color="0.85", zorder=0)
     ax.axvline(cycle, color="k", linestyle="--", linewidth=1)
     ax.annotate(f"token cycle\n{n_layer}×{top_k} = {cycle}", xy=(cycle, 2), xytext=(6, 0),
                 textcoords="offset points", fontsize=8, va="bottom")

@@ -476,6 +476,12 @@ def token_cycle(n_layer: int, top_k: int, n_expert: int | None = None) -> int:
     return n_layer * (top_k if n_expert is None else min(top_k, n_expert))
 
 
+def zero_hit_entries(n_layer: int, top_k: int, n_expert: int | None = None) -> int:
+    """The largest global budget at which LRU (also FIFO, LFU) never hits on decode routing:
+    ``(n_layer - 1) * k`` entries, where the other layers' entries of one token fill the cache."""
+    return token_cycle(n_layer - 1, top_k, n_expert)
+
+
 def reach_tokens(slots_per_layer: float, top_k: int, overlap: float) -> float:
     """How many tokens back a per-layer LRU of ``slots_per_layer`` still remembers:
     ``slots / (k * (1 - overlap))`` (inf when every expert repeats)."""
@@ -950,7 +956,7 @@ def _print_report(rp: Replay, df: pd.DataFrame, phase: str) -> None:
     below = df[df["budget_entries"] < cyc]
     if len(below):
         print(f"\nnote: budgets below the token cycle ({cyc} entries): a global LRU evicts what the next token "
-              f"needs (0% hit at or below {(rp.n_layer - 1) * rp.top_k} entries).")
+              f"needs (0% hit at or below {zero_hit_entries(rp.n_layer, rp.top_k, rp.n_expert)} entries).")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -282,7 +282,7 @@ def read_engine_csv(path: str | Path) -> Trace:
     meta = parse_header(first, str(path))
     if second.split(",") != list(COLUMNS):
         raise TraceFormatError(f"{path}: line 2 is {second[:80]!r}; accepted: {','.join(COLUMNS)}")
-    dtypes = {"workload": str, "phase": str, **{c: np.int64 for c in _INT_DTYPES}}
+    dtypes = {"workload": "category", "phase": "category", **{c: np.int64 for c in _INT_DTYPES}}
     try:
         df = pd.read_csv(path, skiprows=1, dtype=dtypes, keep_default_na=False, na_filter=False)
     except ValueError as e:

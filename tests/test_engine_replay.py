@@ -1,0 +1,94 @@
+"""The replay simulator reproduces the engine's own hits and misses, event for event.
+
+The engine writes its routing and each lookup's hit/miss with --moe-trace; pybmoe.sim replays the
+routing through its layer-lru policy (the engine's policy, re-implemented in Python and C) and
+must predict every hit and miss the engine recorded.
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pybmoe import demo, engine, models, sim
+from pybmoe import trace as tr
+
+PROMPT = "Once upon a time, in a land of many experts,"
+
+
+def _engine_trace(model: Path, rpc, slots: int, inserts: int, tmp: Path, n_predict: int = 48):
+    path = tmp / f"trace-{slots}-{inserts}.csv"
+    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(tmp / "l.bin"), "-m", str(model),
+           "-p", PROMPT, "-n", str(n_predict), "-c", "512", "-t", "2", "--fit", "off",
+           *engine.host_experts_args(rpc.endpoint), *engine.cache_args(slots, inserts), "--moe-trace", str(path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    layers = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("moe-cache-layer"):
+            _, il, h, m = line.split()
+            layers[int(il)] = (int(h), int(m))
+    return path, layers
+
+
+@pytest.mark.parametrize("inserts", [1, 0])
+@pytest.mark.parametrize("slots_of", ["1", "top-k", "half", "all"])
+@pytest.mark.parametrize("backend", ["auto", "python"])
+def test_replay_matches_engine_event_for_event(model_q8, rpc, tmp_path, slots_of, inserts, backend):
+    if backend == "auto" and not sim.have_core():
+        pytest.skip("the compiled replay core is not built")
+    spec = models.read_spec(model_q8)
+    slots = {"1": 1, "top-k": spec.n_expert_used, "half": spec.n_expert // 2, "all": spec.n_expert}[slots_of]
+    path, layers = _engine_trace(model_q8, rpc, slots, inserts, tmp_path)
+
+    t = tr.read_trace(path)
+    assert t.meta.slots == slots and t.meta.inserts == inserts
+    f = t.frame
+    decode = f[f["phase"] == "decode"]
+    assert len(decode) == spec.n_layer * spec.n_expert_used * 47  # 47 single-token decode steps
+    assert (decode["hit"] >= 0).all() and (f[f["phase"] == "prefill"]["hit"] == -1).all()
+
+    res = sim.engine_replay(t, backend=backend)
+    bad = sim.compare_with_engine(t, res)
+    assert bad.empty, f"{len(bad)} lookups differ, first:\n{bad.head()}"
+
+    # and the engine's own counters agree with its trace
+    for il, (hits, misses) in layers.items():
+        d = decode[decode["layer"] == il]
+        assert (int((d["hit"] == 1).sum()), int((d["hit"] == 0).sum())) == (hits, misses)
+
+
+def test_replay_matches_engine_across_server_requests(model_q8, rpc, tmp_path):
+    """Two requests through llama-server: prefill and decode interleave, the cache stays warm."""
+    path = tmp_path / "server-trace.csv"
+    extra = ["--moe-trace", str(path)]
+    srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 6, 2, extra))
+    with srv:
+        srv.completion(PROMPT, n_predict=24)
+        srv.completion("A different prompt about the sea", n_predict=24)
+    srv.stop()
+    t = tr.read_trace(path)
+    f = t.frame
+    assert set(f["phase"]) == {"prefill", "decode"}
+    assert (f["hit"] >= 0).sum() > 0
+    bad = sim.compare_with_engine(t, sim.engine_replay(t))
+    assert bad.empty, f"{len(bad)} lookups differ"
+
+
+def test_trace_without_cache_is_routing_only(model_q8, rpc, tmp_path):
+    path = tmp_path / "off.csv"
+    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(tmp_path / "l.bin"), "-m", str(model_q8),
+           "-p", PROMPT, "-n", "8", "-c", "512", "-t", "2", "--fit", "off",
+           *engine.host_experts_args(rpc.endpoint), "--moe-trace", str(path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    f = tr.read_trace(path).frame
+    assert (f["hit"] == -1).all()
+    spec = models.read_spec(model_q8)
+    # every decode token has top-k distinct experts per layer
+    d = f[f["phase"] == "decode"]
+    per = d.groupby(["token", "layer"])["expert"].nunique()
+    assert (per == spec.n_expert_used).all() and len(per) == 7 * spec.n_layer
+    assert np.all((f["expert"] >= 0) & (f["expert"] < spec.n_expert))
