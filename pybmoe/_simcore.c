@@ -3,7 +3,7 @@
 // Two entry points, each the exact twin of a pure-Python function in pybmoe/sim.py (the tests
 // check that both give identical results on random traces):
 //
-//   pybmoe_sim_layer_lru  <->  sim._layer_lru_py   the engine's per-layer policy, with its lag
+//   pybmoe_sim_layer_lru  <->  sim._layer_lru_py   the engine's per-layer policy, with its upload lag
 //   pybmoe_sim_global     <->  sim._global_py      global-lru, fifo, lfu, belady over (layer, expert)
 //
 // The event stream is cut into units: a unit is one layer's lookups in one ubatch (all its
@@ -136,11 +136,12 @@ static void iheap_clear(iheap * h) {
 // ---------------------------------------------------------------- layer-lru (the engine's policy)
 //
 // Events are one (workload, layer) stream after another; within a stream, units are that
-// layer's ubatches in order. Every unit is a llama_decode entry: the uploads scheduled at the
-// previous entry become resident (evicting argmin (used, id) among residents not used at the
-// last served step; none -> the upload is dropped), then the distinct misses of the last served
-// step are scheduled (insert cap, free physical slots). A served unit is a step s: its lookups
-// are answered by the resident set and set used[e] = s.
+// layer's ubatches in order. A served unit is a step s: its lookups are answered by the resident
+// set and set used[e] = s. Right after every unit, served or not (the engine's
+// llama_moe_cache_after_ubatch), the uploads scheduled after the previous unit become resident
+// (evicting argmin (used, id) among residents not used at the last served step; none -> the
+// upload is dropped), then the distinct misses of this unit are scheduled (insert cap, free
+// physical slots).
 //
 // counters[0] += uploads completed (admitted or dropped), counters[1] += uploads dropped.
 
@@ -171,7 +172,28 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
             n_flight = n_misses = n_res = 0;
             step = last_step = 0;
         }
-        // --- entry: uploads scheduled at the previous entry become resident
+        // --- the graph
+        const int64_t b = unit_start[u], end = unit_start[u + 1];
+        if (unit_flags[u] & SIM_SERVED) {
+            last_step = ++step;
+            for (int64_t i = b; i < end; ++i) {
+                const int32_t e = expert[i];
+                used[e] = step;
+                if (resident[e]) {
+                    out[i] = 1;
+                    iheap_set(&h, e, step, e);
+                } else {
+                    out[i] = 0;
+                    if (missmark[e] != u + 1) {
+                        missmark[e] = u + 1;
+                        misses[n_misses++] = e;
+                    }
+                }
+            }
+        } else {
+            memset(out + b, -1, (size_t) (end - b));
+        }
+        // --- after it: the uploads scheduled after the previous unit become resident
         for (int32_t i = 0; i < n_flight; ++i) {
             const int32_t e = flight[i];
             counters[0]++;
@@ -190,7 +212,7 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
             iheap_push(&h, e, used[e], e);
         }
         n_flight = 0;
-        // --- entry: schedule the last step's misses into free physical slots
+        // --- and this unit's misses are scheduled into free physical slots
         for (int32_t i = 0; i < n_misses; ++i) {
             const int32_t e = misses[i];
             if (resident[e]) {
@@ -205,27 +227,6 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
             flight[n_flight++] = e;
         }
         n_misses = 0;
-        // --- the graph
-        const int64_t b = unit_start[u], end = unit_start[u + 1];
-        if (!(unit_flags[u] & SIM_SERVED)) {
-            memset(out + b, -1, (size_t) (end - b));
-            continue;
-        }
-        last_step = ++step;
-        for (int64_t i = b; i < end; ++i) {
-            const int32_t e = expert[i];
-            used[e] = step;
-            if (resident[e]) {
-                out[i] = 1;
-                iheap_set(&h, e, step, e);
-            } else {
-                out[i] = 0;
-                if (missmark[e] != u + 1) {
-                    missmark[e] = u + 1;
-                    misses[n_misses++] = e;
-                }
-            }
-        }
     }
 done:
     iheap_free(&h);

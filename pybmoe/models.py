@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import mmap
 import os
 import struct
 import secrets
@@ -327,7 +328,11 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     Qwen2 vocab): values come back as plain Python scalars, ``bytes`` and lists.
     Raises :class:`ValueError` for a file that is not GGUF v2/v3.
     """
-    data = Path(path).read_bytes()
+    # note: mapped, not read: a 100 GB model's header costs only the pages it touches
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < 8:
+            raise ValueError(f"{path} is not a GGUF file (too short); accepted: a GGUF v2/v3 file")
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     pos = 0
 
     def unpack(fmt: str) -> Any:

@@ -9,9 +9,9 @@ Policies (:data:`POLICIES`; the rules are spelled out in ``docs/traces.md``):
     the insert cap. A step is a ubatch the engine's cache serves: one of at most ``max_batch``
     tokens (1 today), whatever its phase label. Other ubatches (prefill) are not served: their
     lookups are ``-1`` per lookup, count as misses when their phase is counted, and leave the
-    cache as it is (their ``llama_decode`` entry still publishes pending uploads, as the engine's
-    does). :func:`engine_replay` and :func:`compare_with_engine` check a captured trace event
-    for event against the engine's ``hit`` column.
+    cache as it is, except that pending uploads become resident after them as after any ubatch,
+    as in the engine. :func:`engine_replay` and :func:`compare_with_engine` check a captured
+    trace event for event against the engine's ``hit`` column.
 ``global-lru``, ``fifo``, ``lfu``, ``belady``
     One cache of ``budget_entries`` (layer, expert) entries shared by all layers. The admission
     unit is a layer step (one layer's lookups in one ubatch): its lookups see the cache as it was
@@ -165,7 +165,22 @@ def _layer_lru_py(start: np.ndarray, flags: np.ndarray, expert: np.ndarray, n_ex
     for u, fl in enumerate(flags.tolist()):
         if fl & _RESET:
             R, used, F, misses, step, last_step = set(), [0] * n_expert, [], [], 0, 0
-        for e in F:                                  # uploads scheduled at the previous entry
+        b, end = st[u], st[u + 1]
+        if fl & _SERVED:                             # a step: lookups against R
+            step += 1
+            last_step = step
+            for i in range(b, end):
+                e = ids[i]
+                used[e] = step
+                if e in R:
+                    res[i] = 1
+                else:
+                    res[i] = 0
+                    if e not in misses:
+                        misses.append(e)
+        else:
+            res[b:end] = -1
+        for e in F:                                  # after the ubatch: uploads scheduled after the previous one
             uploads += 1
             if len(R) == slots:
                 cands = [x for x in R if used[x] < last_step]
@@ -175,7 +190,7 @@ def _layer_lru_py(start: np.ndarray, flags: np.ndarray, expert: np.ndarray, n_ex
                 R.remove(min(cands, key=lambda x: (used[x], x)))
             R.add(e)
         F = []
-        for e in misses:                             # the last step's misses
+        for e in misses:                             # then this one's misses are scheduled
             if e in R:
                 continue
             if cap > 0 and len(F) == cap:
@@ -184,21 +199,6 @@ def _layer_lru_py(start: np.ndarray, flags: np.ndarray, expert: np.ndarray, n_ex
                 break
             F.append(e)
         misses = []
-        b, end = st[u], st[u + 1]
-        if not fl & _SERVED:
-            res[b:end] = -1
-            continue
-        step += 1
-        last_step = step
-        for i in range(b, end):
-            e = ids[i]
-            used[e] = step
-            if e in R:
-                res[i] = 1
-            else:
-                res[i] = 0
-                if e not in misses:
-                    misses.append(e)
     out[:] = res
     counters[0] += uploads
     counters[1] += dropped
@@ -375,15 +375,18 @@ class Replay:
                                 else self.phase_code == tr.PHASES.index(phase))
         return self._cache[key]
 
-    def ubatch_tokens(self) -> np.ndarray:
-        """Per row: the number of distinct tokens in its (workload, ubatch)."""
-        if "ubt" not in self._cache:
+    def ubatches(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The (workload, ubatch) pairs: ``(workload [U], index per row [rows], tokens [U])``,
+        sorted by workload then ubatch; ``tokens`` counts the distinct tokens of each."""
+        if "ub" not in self._cache:
+            UB = int(self.ubatch.max()) + 1
             T = int(self.token.max()) + 1
-            ub_key = self.wl * (int(self.ubatch.max()) + 1) + self.ubatch
-            pairs = np.unique(ub_key * T + self.token)
-            keys, counts = np.unique(pairs // T, return_counts=True)
-            self._cache["ubt"] = counts[np.searchsorted(keys, ub_key)]
-        return self._cache["ubt"]
+            ub_key = self.wl * UB + self.ubatch
+            keys, idx = np.unique(ub_key, return_inverse=True)
+            pairs = np.unique(ub_key * T + self.token)                 # distinct (ubatch, token)
+            tokens = np.bincount(np.searchsorted(keys, pairs // T), minlength=len(keys))
+            self._cache["ub"] = (keys // UB, idx.astype(np.int64), tokens)
+        return self._cache["ub"]
 
     def tokens(self, phase: str) -> np.ndarray:
         """Per workload: the distinct tokens with lookups in ``phase`` (int64 ``[workloads]``)."""
@@ -396,7 +399,7 @@ class Replay:
         return self._cache[key]
 
     def _units(self, rows: np.ndarray, order_keys: tuple, unit_keys: tuple, stream_keys: tuple,
-               ids: np.ndarray, served: np.ndarray) -> _Units:
+               ids: np.ndarray) -> _Units:
         order = rows[_argsort_keys(tuple(k[rows] for k in order_keys))]
         n = len(order)
         if n == 0:
@@ -413,23 +416,38 @@ class Replay:
 
         unit_first = np.flatnonzero(changed(unit_keys))
         stream_new = changed(stream_keys)[unit_first]
-        flags = np.where(stream_new, _RESET, 0).astype(np.uint8)
-        flags |= np.where(served[order[unit_first]], _SERVED, 0).astype(np.uint8)
+        flags = np.where(stream_new, _RESET | _SERVED, _SERVED).astype(np.uint8)
         start = np.append(unit_first, n).astype(np.int64)
         wl_of_unit = self.wl[order[unit_first]]
         wl_units = np.searchsorted(wl_of_unit, np.arange(len(self.workloads) + 1), side="left").astype(np.int64)
         return _Units(order, np.ascontiguousarray(ids[order], dtype=np.int32), start, flags, wl_units)
 
     def layer_units(self, max_batch: int) -> _Units:
-        """All rows in (workload, layer, ubatch, token, rank) order; a unit is served when its
-        ubatch has at most ``max_batch`` tokens."""
+        """All rows in (workload, layer, ubatch, token, rank) order, with a unit for every layer
+        and every ubatch of its workload (empty where the layer has no rows: the engine's
+        per-ubatch bookkeeping still runs). A unit is served when it has lookups and its ubatch
+        has at most ``max_batch`` tokens."""
         key = ("layer", max_batch)
         if key not in self._cache:
-            served = self.ubatch_tokens() <= max_batch
-            rows = np.arange(self.n_rows, dtype=np.int64)
-            self._cache[key] = self._units(rows, (self.rank, self.token, self.ubatch, self.lay, self.wl),
-                                           (self.wl, self.lay, self.ubatch), (self.wl, self.lay),
-                                           self.expert, served)
+            ub_wl, ub_idx, ub_tokens = self.ubatches()
+            W, L = len(self.workloads), self.n_layer
+            n_ub = np.bincount(ub_wl, minlength=W)                     # ubatches per workload
+            first_ub = np.concatenate([[0], np.cumsum(n_ub)])
+            base = np.concatenate([[0], np.cumsum(n_ub * L)])          # first unit of each workload
+            j = ub_idx - first_ub[self.wl]                              # ubatch position in its workload
+            unit = base[self.wl] + self.lay * n_ub[self.wl] + j
+            n_units = int(base[-1])
+            order = _argsort_keys((self.rank, self.token, unit))
+            counts = np.bincount(unit, minlength=n_units)
+            start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            u_wl = np.repeat(np.arange(W), n_ub * L)
+            within = np.arange(n_units) - base[u_wl]
+            u_j = within % n_ub[u_wl]
+            flags = np.where(u_j == 0, _RESET, 0).astype(np.uint8)
+            served = (counts > 0) & (ub_tokens[first_ub[u_wl] + u_j] <= max_batch)
+            flags |= np.where(served, _SERVED, 0).astype(np.uint8)
+            self._cache[key] = _Units(order.astype(np.int64), np.ascontiguousarray(self.expert[order], dtype=np.int32),
+                                      start, flags, base.astype(np.int64))
         return self._cache[key]
 
     def global_units(self, phase: str) -> _Units:
@@ -440,7 +458,7 @@ class Replay:
             entry = self.lay * self.n_expert + self.expert
             self._cache[key] = self._units(rows, (self.rank, self.token, self.lay, self.ubatch, self.wl),
                                            (self.wl, self.ubatch, self.lay), (self.wl,),
-                                           entry, np.ones(self.n_rows, dtype=bool))
+                                           entry)
         return self._cache[key]
 
     def overlap(self) -> dict[str, float]:

@@ -106,7 +106,8 @@ def test_layer_lru_drops_when_every_resident_was_just_used(backend):
     t = mk([[0, 1], [0, 1], [0, 1], [2, 0], [3, 1], [2, 0]], n_expert=4)
     r = sim.simulate(t, "layer-lru", slots_per_layer=1, backend=backend)
     assert r.predicted.tolist() == flat([[0, 0], [0, 0], [1, 0], [0, 1], [0, 0], [1, 0]])
-    assert r.summary["uploads"].tolist() == [5]      # uploads completed, 3 of them dropped
+    # uploads completed after each step: 2, 1, 1, 1, 2 (the last two after step 6); 5 of them dropped
+    assert r.summary["uploads"].tolist() == [7]
 
 
 def test_layer_lru_insert_cap(backend):
@@ -129,12 +130,37 @@ def test_layer_lru_free_physical_slots_bound_uploads(backend):
     assert out.tolist() == [0, 0, 0, 0, 1, 0]
 
 
-def test_layer_lru_unserved_ubatch_is_still_an_entry(backend):
-    # a 2-token ubatch is not served (max_batch 1) but its llama_decode entry publishes the pending upload
+def test_layer_lru_unserved_ubatch_still_publishes_uploads(backend):
+    # a 2-token ubatch is not served (max_batch 1), but the upload pending after it becomes resident
     t = mk([[0], [[1], [2]], [0]], n_expert=4)
     assert pred(t, "layer-lru", backend, slots_per_layer=2, phase="all") == [0, -1, -1, 1]
     # served when the engine takes batches of 2: its lookups see the cache, and the lag is two steps again
     assert pred(t, "layer-lru", backend, slots_per_layer=2, phase="all", max_batch=2) == [0, 0, 0, 1]
+
+
+def test_layer_lru_warm_across_an_interleaved_prefill(backend):
+    # as in a server: decode, a prompt of two 2-token ubatches, decode again, all one stream.
+    # The prefill is not served, the upload pending after it lands, and the cache stays warm.
+    t = mk([[0], [1], [[2], [3]], [[0], [2]], [1], [2], [0], [1]], n_expert=4,
+           phases={2: "prefill", 3: "prefill"})
+    # after step 5 the upload of 2 evicts 1 (last used at step 3; 0 was used at step 5)
+    assert pred(t, "layer-lru", backend, slots_per_layer=2, phase="all") == [0, 0, -1, -1, -1, -1, 1, 0, 1, 0]
+
+
+def test_layer_lru_layer_without_rows_in_a_ubatch(backend):
+    # in a prompt ubatch with no output token the last layer computes nothing (no rows), yet the
+    # engine's bookkeeping after that ubatch publishes the layer's pending upload all the same
+    rows = []
+    for u, (phase, toks) in enumerate([("decode", [(0, [0], [0])]), ("decode", [(1, [1], [1])]),
+                                       ("prefill", [(2, [2], None), (3, [3], None)]), ("decode", [(4, [1], [1])])]):
+        for tok, l0, l1 in toks:
+            rows += [("w", phase, u, tok, 0, r, e, -1) for r, e in enumerate(l0)]
+            rows += [("w", phase, u, tok, 1, r, e, -1) for r, e in enumerate(l1 or [])]
+    t = tr.from_frame(pd.DataFrame(rows, columns=tr.COLUMNS), tr.TraceMeta(2, 4, 1))
+    r = sim.simulate(t, "layer-lru", slots_per_layer=2, phase="all", backend=backend)
+    f = t.frame.assign(p=r.predicted)
+    assert f[f["layer"] == 1]["p"].tolist() == [0, 0, 1]
+    assert f[f["layer"] == 0]["p"].tolist() == [0, 0, -1, -1, 1]
 
 
 def test_layer_lru_repeated_miss_within_a_step(backend):
