@@ -454,6 +454,7 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
     }
     const int32_t n_expert = (int32_t) hp.n_expert;
     const int32_t n_used   = (int32_t) hp.n_expert_used();
+    const int32_t n_req = n_slots;
     if (n_slots > n_expert) {
         LLAMA_LOG_INFO("%s: moe-cache: %d slots > %d experts per layer, clamped to %d\n", __func__, n_slots, n_expert, n_expert);
         n_slots = n_expert;
@@ -504,7 +505,7 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
     if (by_buft.empty()) {
         LLAMA_LOG_WARN("%s: moe-cache: WARNING requested %d slots but none of the %d MoE layers has host-resident experts "
                 "with a device-resident router (offload layers with -ngl and keep experts on the host with --cpu-moe, "
-                "--n-cpu-moe or -ot exps=CPU); the cache is OFF\n", __func__, n_slots, n_moe);
+                "--n-cpu-moe or -ot exps=CPU); the cache is OFF\n", __func__, n_req, n_moe);
         return -1;
     }
 

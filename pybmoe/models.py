@@ -270,18 +270,29 @@ def quantize(x: np.ndarray, qtype: QT) -> np.ndarray:
 
 # --------------------------------------------------------------------------- vocab
 
+VOCAB_FILE = "ggml-vocab-qwen2.gguf"
+
+
 def default_vocab_path() -> Path:
     """``models/ggml-vocab-qwen2.gguf`` of the pinned llama.cpp tree.
 
-    Raises :class:`FileNotFoundError` when the tree is not materialised
-    (run ``pybmoe vendor`` or pass ``vocab_path``).
+    ``pip install .`` ships a copy in ``pybmoe/data/``; a source checkout uses the materialised
+    tree under ``vendor/src/``. Raises :class:`FileNotFoundError` when neither exists (install
+    pybmoe, run ``pybmoe vendor`` in the checkout, or pass ``vocab_path``).
     """
+    shipped = Path(__file__).resolve().parent / "data" / VOCAB_FILE
+    if shipped.is_file():
+        return shipped
     from . import vendor
 
-    p = vendor.llama_cpp_dir() / "models" / "ggml-vocab-qwen2.gguf"
+    try:
+        p = vendor.llama_cpp_dir() / "models" / VOCAB_FILE
+    except vendor.VendorError as e:
+        raise FileNotFoundError(f"vocab file {VOCAB_FILE} not found: pybmoe is neither installed with its "
+                                f"data nor run from a checkout ({e}); pass vocab_path=") from e
     if not p.is_file():
         raise FileNotFoundError(
-            f"vocab file {p} not found: materialise the pinned llama.cpp tree or pass vocab_path=")
+            f"vocab file {p} not found: run `pybmoe vendor` in the checkout or pass vocab_path=")
     return p
 
 

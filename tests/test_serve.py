@@ -76,3 +76,26 @@ def test_bindings_load_the_patched_library():
 def test_binaries_resolve_all_libraries(name):
     ldd = subprocess.run(["ldd", str(engine.find_binary(name))], capture_output=True, text=True).stdout
     assert "not found" not in ldd, ldd
+
+
+def test_installed_package_makes_models_without_a_checkout(tmp_path):
+    """A new user's first `pybmoe demo`: an empty model cache, run outside any checkout."""
+    import os
+    env = dict(os.environ, PYBMOE_CACHE=str(tmp_path / "cache"))
+    env.pop("PYBMOE_ROOT", None)
+    env.pop("PYTHONPATH", None)
+    where = subprocess.run([sys.executable, "-c", "import pybmoe, sys; print(pybmoe.__file__)"], cwd=tmp_path,
+                           capture_output=True, text=True, env=env)
+    if "site-packages" not in where.stdout:
+        pytest.skip(f"pybmoe is not installed in this environment ({where.stdout.strip()})")
+    r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "make-model", str(tmp_path / "m.gguf"), "--ftype", "Q4_K"],
+                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-c", "from pybmoe import models; print(models.default_vocab_path())"],
+                       cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert "site-packages" in r.stdout and r.stdout.strip().endswith("pybmoe/data/ggml-vocab-qwen2.gguf")
+
+
+def test_demo_rejects_bad_values_before_starting_anything(model_q8):
+    with pytest.raises(ValueError, match="slots"):
+        demo.run_demo(model_q8, slots=-3, out=lambda *_: pytest.fail("started"))
