@@ -67,11 +67,14 @@ def find_binary(name: str) -> Path:
 
 
 def _exec(name: str) -> None:
-    exe = find_binary(name)
-    argv = [str(exe), *sys.argv[1:]]
+    try:
+        exe = find_binary(name)
+    except EngineError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        sys.exit(127)
     if os.name == "nt":  # pragma: no cover
-        sys.exit(subprocess.call(argv))
-    os.execv(argv[0], argv)
+        sys.exit(subprocess.call([str(exe), *sys.argv[1:]]))
+    os.execv(str(exe), [name, *sys.argv[1:]])  # argv[0] is the upstream name, as in usage lines
 
 
 def exec_llama_server() -> None:
