@@ -519,6 +519,7 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
     mc->layer_of_il.assign(model->layers.size(), -1);
 
     // device companions, one context + buffer per router buffer type, owned by the model
+    std::string budgets; // "<buft>:<MiB>,..." for the preamble
     size_t n_layers = 0;
     for (const auto & [buft, ils] : by_buft) {
         n_layers += ils.size();
@@ -568,6 +569,8 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         ggml_backend_buffer_clear(buf, 0); // every slot, including the dummy slot, computes exact zeros
         mc->alloc_bytes += ggml_backend_buffer_get_size(buf);
+        budgets += format("%s%s:%.2f", budgets.empty() ? "" : ",", ggml_backend_buft_name(buft),
+                ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
         LLAMA_LOG_INFO("%s: moe-cache: %8.2f MiB of expert slots for %zu layers in %s\n", __func__,
                 ggml_backend_buffer_get_size(buf)/1024.0/1024.0, ils.size(), ggml_backend_buft_name(buft));
         model->add_owned_buffer(std::move(ctx), ggml_backend_buffer_ptr(buf));
@@ -614,6 +617,22 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
     LLAMA_LOG("%s: moe-cache: %zu of %d MoE layers cached, %d slots/layer (+%d staging, +1 zero) of %d experts, "
             "top-k %d, expert %.3f MiB, inserts/step %s\n", __func__, mc->layers.size(), n_moe, n_slots, l0.n_stage,
             n_expert, n_used, l0.expert_bytes()/1024.0/1024.0, n_inserts > 0 ? std::to_string(n_inserts).c_str() : "unlimited");
+
+    // the metrics preamble: one line, key=value, parsed by pybmoe.engine.parse_cache_preamble
+    // cache_cycle_mb: the worst-case bytes one token needs, every cached layer's experts x min(top-k, n_expert)
+    double cycle_mib = 0.0;
+    for (const auto & l : mc->layers) {
+        cycle_mib += (double) l.expert_bytes() * std::min(l.n_used, l.n_expert) / 1024.0 / 1024.0;
+    }
+    LLAMA_LOG("moe-cache-preamble: layers=%zu n_expert=%d top_k=%d slots=%d staging=%d inserts=%d slot_mib=%.4f "
+            "budget_mib=%s cache_cycle_mb=%.2f layer_cycle_slots=%d\n", mc->layers.size(), n_expert, n_used, n_slots,
+            l0.n_stage, n_inserts, l0.expert_bytes()/1024.0/1024.0, budgets.c_str(), cycle_mib, n_used);
+    if (n_slots < n_used) {
+        // the cliff guard: state the fact, once, at load
+        LLAMA_LOG_WARN("%s: moe-cache: WARNING %d slots/layer is below the per-layer token cycle of %d slots at "
+                "top-k %d: one token's experts cannot all stay resident until the next token\n",
+                __func__, n_slots, n_used, n_used);
+    }
     return (int32_t) mc->layers.size();
 }
 
@@ -851,10 +870,23 @@ void llama_moe_cache_on_context_free(const llama_model & model) {
     llama_moe_cache_stats st;
     llama_model_moe_cache_get_stats(&model, &st);
     const uint64_t n = st.hits + st.misses;
+    // demand (the BigMoeOnEdge seed's layer_demand_MiB / token_demand_MiB): expert bytes requested per
+    // served step, by the widest layer and by all cached layers together
+    double layer_demand = 0.0, token_demand = 0.0;
+    {
+        std::lock_guard<std::mutex> lock(mc->mutex);
+        for (const auto & l : mc->layers) {
+            const double d = mc->n_steps ? (double) (l.hits + l.misses) * l.expert_bytes() / mc->n_steps / 1024.0 / 1024.0 : 0.0;
+            layer_demand  = std::max(layer_demand, d);
+            token_demand += d;
+        }
+    }
     // note: level NONE, so the line shows at the default verbosity, like the tools' own output
-    LLAMA_LOG("moe-cache: %.1f%% hit, resident %.1f MiB, uploads %llu (%.1f MiB)\n",
+    LLAMA_LOG("moe-cache: %.1f%% hit, resident %.1f MiB, uploads %llu (%.1f MiB), layer_demand %.2f MiB, "
+            "token_demand %.2f MiB, steps %llu\n",
             n ? 100.0*st.hits/n : 0.0, st.resident_bytes/1024.0/1024.0,
-            (unsigned long long) st.uploads, st.upload_bytes/1024.0/1024.0);
+            (unsigned long long) st.uploads, st.upload_bytes/1024.0/1024.0, layer_demand, token_demand,
+            (unsigned long long) st.n_steps);
 }
 
 int32_t llama_model_moe_trace_open(llama_model * model, const char * path, int32_t n_ubatch) {

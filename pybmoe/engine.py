@@ -247,7 +247,10 @@ class LlamaServer:
 
 # --- log lines -------------------------------------------------------------------------------
 
-_SUMMARY = re.compile(r"moe-cache: ([0-9.]+)% hit, resident ([0-9.]+) MiB, uploads (\d+) \(([0-9.]+) MiB\)")
+_SUMMARY = re.compile(r"moe-cache: ([0-9.]+)% hit, resident ([0-9.]+) MiB, uploads (\d+) \(([0-9.]+) MiB\)"
+                      r"(?:, layer_demand ([0-9.]+) MiB, token_demand ([0-9.]+) MiB, steps (\d+))?")
+_PREAMBLE = re.compile(r"moe-cache-preamble: (.*)$", re.M)
+_CLIFF = re.compile(r"moe-cache: WARNING (\d+) slots/layer is below the per-layer token cycle")
 
 
 @dataclass(frozen=True)
@@ -258,11 +261,55 @@ class CacheSummary:
     resident_mib: float   # MiB of experts resident in slots
     uploads: int          # experts uploaded
     upload_mib: float     # MiB uploaded
+    layer_demand_mib: float | None = None  # expert MiB one served step asks of the widest layer
+    token_demand_mib: float | None = None  # expert MiB one served step asks of all cached layers
+    steps: int | None = None               # graphs the cache served
 
 
 def parse_cache_summaries(log: str) -> list[CacheSummary]:
     """Every summary line in a log, in order (one per freed context)."""
-    return [CacheSummary(float(a), float(b), int(c), float(d)) for a, b, c, d in _SUMMARY.findall(log)]
+    out = []
+    for m in _SUMMARY.finditer(log):
+        a, b, c, d, e, f, g = m.groups()
+        out.append(CacheSummary(float(a), float(b), int(c), float(d), float(e) if e else None,
+                                float(f) if f else None, int(g) if g else None))
+    return out
+
+
+def parse_cache_preamble(log: str) -> dict | None:
+    """The ``moe-cache-preamble:`` line printed at load, as a dict (None when absent).
+
+    Keys: layers, n_expert, top_k, slots, staging, inserts (counts), slot_mib (MiB per expert),
+    budget_mib ({buffer type: MiB}), cache_cycle_mb (MiB one token needs in the worst case),
+    layer_cycle_slots (slots one layer needs to keep one token's experts).
+    """
+    m = _PREAMBLE.search(log)
+    if not m:
+        return None
+    rec: dict = {}
+    for kv in m.group(1).split():
+        k, _, v = kv.partition("=")
+        if k == "budget_mib":
+            rec[k] = {b.rpartition(":")[0]: float(b.rpartition(":")[2]) for b in v.split(",") if b}
+        else:
+            rec[k] = float(v) if "." in v else int(v)
+    return rec
+
+
+def cache_record(log: str) -> dict:
+    """One tidy record of a run's cache lines (preamble, last summary, cliff warning), usable as a
+    pandas row: ``pd.DataFrame([cache_record(log)])``. Budgets are summed over devices into
+    ``budget_mib``; absent values are None."""
+    pre = parse_cache_preamble(log) or {}
+    sums = parse_cache_summaries(log)
+    last = sums[-1] if sums else None
+    rec = {k: pre.get(k) for k in ("layers", "n_expert", "top_k", "slots", "staging", "inserts", "slot_mib",
+                                    "cache_cycle_mb", "layer_cycle_slots")}
+    rec["budget_mib"] = sum(pre["budget_mib"].values()) if pre.get("budget_mib") else None
+    for f in ("hit_pct", "resident_mib", "uploads", "upload_mib", "layer_demand_mib", "token_demand_mib", "steps"):
+        rec[f] = getattr(last, f) if last else None
+    rec["below_cycle"] = bool(_CLIFF.search(log))
+    return rec
 
 
 def cache_args(slots: int, inserts: int = 0) -> list[str]:
