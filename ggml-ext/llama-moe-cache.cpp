@@ -109,6 +109,13 @@ struct llama_moe_cache {
     ggml_backend_buffer_ptr  host_buf;
     uint64_t alloc_bytes = 0;
 
+    struct device_use {
+        std::string name;   // buffer type, e.g. CUDA0, RPC0[host:port]
+        int64_t     slots;  // resident slots over the layers on it
+        size_t      bytes;  // companion bytes allocated there
+    };
+    std::vector<device_use> devices;
+
     // step state
     mutable std::mutex mutex;
     uint64_t step = 0;
@@ -571,6 +578,8 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
         mc->alloc_bytes += ggml_backend_buffer_get_size(buf);
         budgets += format("%s%s:%.2f", budgets.empty() ? "" : ",", ggml_backend_buft_name(buft),
                 ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
+        mc->devices.push_back({ ggml_backend_buft_name(buft), (int64_t) n_slots * (int64_t) ils.size(),
+                                ggml_backend_buffer_get_size(buf) });
         LLAMA_LOG_INFO("%s: moe-cache: %8.2f MiB of expert slots for %zu layers in %s\n", __func__,
                 ggml_backend_buffer_get_size(buf)/1024.0/1024.0, ils.size(), ggml_backend_buft_name(buft));
         model->add_owned_buffer(std::move(ctx), ggml_backend_buffer_ptr(buf));
@@ -947,4 +956,31 @@ int32_t llama_model_moe_trace_open(llama_model * model, const char * path, int32
     mc->trace_writer = std::thread([mc] { mc->trace_writer_main(); });
     LLAMA_LOG_INFO("%s: moe-trace: writing the routing of %zu MoE layers to %s\n", __func__, ils.size(), path);
     return (int32_t) ils.size();
+}
+
+std::string llama_moe_cache_prometheus(const llama_model * model) {
+    llama_moe_cache_stats st;
+    if (!llama_model_moe_cache_get_stats(model, &st)) {
+        return "";
+    }
+    std::string out;
+    auto item = [&](const char * type, const char * name, const char * help, const std::string & samples) {
+        out += format("# HELP llamacpp:%s %s\n# TYPE llamacpp:%s %s\n%s", name, help, name, type, samples.c_str());
+    };
+    auto one = [](const char * name, double v) {
+        return format("llamacpp:%s %.17g\n", name, v);
+    };
+    item("counter", "moe_cache_hits_total",         "Expert lookups served by the expert cache",   one("moe_cache_hits_total", st.hits));
+    item("counter", "moe_cache_misses_total",       "Expert lookups computed from host memory",    one("moe_cache_misses_total", st.misses));
+    item("counter", "moe_cache_uploads_total",      "Experts uploaded into cache slots",           one("moe_cache_uploads_total", st.uploads));
+    item("counter", "moe_cache_upload_bytes_total", "Bytes uploaded into cache slots",             one("moe_cache_upload_bytes_total", st.upload_bytes));
+    item("gauge",   "moe_cache_resident_bytes",     "Bytes of experts resident in cache slots",    one("moe_cache_resident_bytes", st.resident_bytes));
+    std::string slots, bytes;
+    for (const auto & d : model->moe_cache->devices) {
+        slots += format("llamacpp:moe_cache_slots{device=\"%s\"} %lld\n", d.name.c_str(), (long long) d.slots);
+        bytes += format("llamacpp:moe_cache_allocated_bytes{device=\"%s\"} %zu\n", d.name.c_str(), d.bytes);
+    }
+    item("gauge", "moe_cache_slots",           "Expert cache slots per device (slots per layer x cached layers)", slots);
+    item("gauge", "moe_cache_allocated_bytes", "Expert cache companion bytes allocated per device",              bytes);
+    return out;
 }

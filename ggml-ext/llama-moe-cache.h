@@ -133,5 +133,9 @@ ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, 
 // uploads started after the previous ubatch, start new ones. Tables change only here.
 void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch & ubatch);
 
+// Prometheus text for llama-server's /metrics (empty when the cache is off): hits, misses, uploads,
+// upload bytes, resident bytes, slots and bytes per device
+std::string llama_moe_cache_prometheus(const llama_model * model);
+
 // context teardown: print the summary line
 void llama_moe_cache_on_context_free(const llama_model & model);

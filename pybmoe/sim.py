@@ -48,6 +48,7 @@ import ctypes
 import heapq
 import math
 import os
+import sysconfig
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,14 +85,17 @@ _core: ctypes.CDLL | None | bool = None
 
 def core_path() -> Path | None:
     """Where the compiled core is: ``$PYBMOE_SIMCORE`` if set, else ``_simcore.so`` (or the
-    platform's name) next to this module; None when there is none."""
+    platform's name) next to this module, else in the installed pybmoe (when this module is
+    imported from a source checkout); None when there is none."""
     env = os.environ.get("PYBMOE_SIMCORE")
     if env:
         return Path(env) if Path(env).is_file() else None
     here = Path(__file__).resolve().parent
-    for name in ("_simcore.so", "lib_simcore.so", "_simcore.dylib", "_simcore.dll"):
-        if (here / name).is_file():
-            return here / name
+    installed = Path(sysconfig.get_paths()["platlib"]) / "pybmoe"
+    for d in (here, installed):
+        for name in ("_simcore.so", "lib_simcore.so", "_simcore.dylib", "_simcore.dll"):
+            if (d / name).is_file():
+                return d / name
     return None
 
 

@@ -45,3 +45,35 @@ def test_preamble_and_summary_make_one_record(model_q8, rpc, tmp_path):
     assert rec["below_cycle"] is False
     pd = pytest.importorskip("pandas")
     assert len(pd.DataFrame([rec])) == 1
+
+
+def test_server_metrics_and_props(model_q8, rpc):
+    import json
+    import urllib.request
+
+    from pybmoe import demo
+    srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 8, 2, ["--metrics"]))
+    with srv:
+        srv.completion("Hello there", n_predict=16)
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        with urllib.request.urlopen(srv.url + "/props", timeout=30) as r:
+            props = json.loads(r.read())
+    log = srv.stop()
+    series = {}
+    for line in text.splitlines():
+        if line.startswith("llamacpp:moe_cache"):
+            name, value = line.rsplit(" ", 1)
+            series[name] = float(value)
+    hits, misses = series["llamacpp:moe_cache_hits_total"], series["llamacpp:moe_cache_misses_total"]
+    spec = models.read_spec(model_q8)
+    assert hits + misses == spec.n_layer * spec.n_expert_used * 15  # 15 single-token decode steps
+    assert hits > 0 and series["llamacpp:moe_cache_uploads_total"] > 0
+    assert series["llamacpp:moe_cache_upload_bytes_total"] > 0 and series["llamacpp:moe_cache_resident_bytes"] > 0
+    slots = [v for k, v in series.items() if k.startswith("llamacpp:moe_cache_slots{device=\"RPC")]
+    assert slots == [8 * spec.n_layer]
+    assert "# TYPE llamacpp:moe_cache_hits_total counter" in text
+    assert props["moe_expert_cache"] == {"slots": 8, "inserts": 2, "trace": ""}
+    # the summary at shutdown agrees with the counters
+    s = engine.parse_cache_summaries(log)[-1]
+    assert s.hit_pct == pytest.approx(100 * hits / (hits + misses), abs=0.05)
