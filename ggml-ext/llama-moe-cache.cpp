@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cstdarg>
-#include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -434,6 +433,10 @@ void llama_moe_cache_free(llama_moe_cache * mc) {
 }
 
 int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t n_inserts) {
+    if (model == nullptr) {
+        LLAMA_LOG_ERROR("%s: moe-cache: no model\n", __func__);
+        return -1;
+    }
     if (n_slots < 0 || n_inserts < 0) {
         LLAMA_LOG_ERROR("%s: moe-cache: slots (%d) and inserts (%d) must be >= 0\n", __func__, n_slots, n_inserts);
         return -1;
