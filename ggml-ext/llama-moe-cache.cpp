@@ -13,6 +13,7 @@
 #include "ggml-cpu.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdarg>
 #include <condition_variable>
 #include <cstdio>
@@ -56,7 +57,8 @@ struct llama_moe_cache_layer {
     int32_t il        = -1;
     int32_t n_expert  = 0;
     int32_t n_used    = 0;
-    int32_t n_slots   = 0; // resident capacity (--moe-expert-cache)
+    int32_t n_slots   = 0; // resident capacity (--moe-expert-cache, or set at runtime)
+    int32_t n_cap     = 0; // the slots allocated at load: the most n_slots can be set to
     int32_t n_stage   = 0; // extra physical slots that uploads land in while the residents keep serving
     int32_t n_phys    = 0; // n_slots + n_stage; slot n_phys is the all-zero dummy slot
 
@@ -116,6 +118,7 @@ struct llama_moe_cache {
     std::vector<device_use> devices;
 
     // step state
+    std::atomic<int32_t> n_busy { 0 }; // graphs being computed (resizing is refused meanwhile)
     mutable std::mutex mutex;
     uint64_t step = 0;
     uint64_t n_steps = 0;
@@ -432,13 +435,16 @@ void llama_moe_cache_free(llama_moe_cache * mc) {
     delete mc;
 }
 
-int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t n_inserts) {
+static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, int32_t n_inserts,
+                                         int32_t floor_mib, int32_t ceil_mib) {
+    const bool is_auto = n_slots == LLAMA_MOE_CACHE_AUTO;
     if (model == nullptr) {
         LLAMA_LOG_ERROR("%s: moe-cache: no model\n", __func__);
         return -1;
     }
-    if (n_slots < 0 || n_inserts < 0) {
-        LLAMA_LOG_ERROR("%s: moe-cache: slots (%d) and inserts (%d) must be >= 0\n", __func__, n_slots, n_inserts);
+    if ((n_slots < 0 && !is_auto) || n_inserts < 0 || floor_mib < 0 || ceil_mib < 0) {
+        LLAMA_LOG_ERROR("%s: moe-cache: slots (%d), inserts (%d), floor (%d MiB) and ceil (%d MiB) must be >= 0\n",
+                __func__, n_slots, n_inserts, floor_mib, ceil_mib);
         return -1;
     }
     if (n_slots == 0) {
@@ -446,7 +452,7 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
     }
     const auto & hp = model->hparams;
     if (hp.n_expert == 0) {
-        LLAMA_LOG_INFO("%s: moe-cache: model has no MoE layers; --moe-expert-cache %d is inert\n", __func__, n_slots);
+        LLAMA_LOG_INFO("%s: moe-cache: model has no MoE layers; --moe-expert-cache is inert\n", __func__);
         return 0;
     }
     if (hp.no_alloc) {
@@ -465,7 +471,9 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
     const int32_t n_expert = (int32_t) hp.n_expert;
     const int32_t n_used   = (int32_t) hp.n_expert_used();
     const int32_t n_req = n_slots;
-    if (n_slots > n_expert) {
+    if (is_auto) {
+        n_slots = n_expert; // the most any device can get; each device is sized below
+    } else if (n_slots > n_expert) {
         LLAMA_LOG_INFO("%s: moe-cache: %d slots > %d experts per layer, clamped to %d\n", __func__, n_slots, n_expert, n_expert);
         n_slots = n_expert;
     }
@@ -509,23 +517,78 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
         by_buft[rbuft].push_back(il);
     }
     if (n_moe == 0) {
-        LLAMA_LOG_INFO("%s: moe-cache: model has no MoE layers; --moe-expert-cache %d is inert\n", __func__, n_slots);
+        LLAMA_LOG_INFO("%s: moe-cache: model has no MoE layers; --moe-expert-cache is inert\n", __func__);
         return 0;
     }
     if (by_buft.empty()) {
-        LLAMA_LOG_WARN("%s: moe-cache: WARNING requested %d slots but none of the %d MoE layers has host-resident experts "
+        LLAMA_LOG_WARN("%s: moe-cache: WARNING requested %s slots but none of the %d MoE layers has host-resident experts "
                 "with a device-resident router (offload layers with -ngl and keep experts on the host with --cpu-moe, "
-                "--n-cpu-moe or -ot exps=CPU); the cache is OFF\n", __func__, n_req, n_moe);
+                "--n-cpu-moe or -ot exps=CPU); the cache is OFF\n", __func__,
+                is_auto ? "auto" : std::to_string(n_req).c_str(), n_moe);
         return -1;
+    }
+
+    // staging slots: a step can miss at most n_used * max_batch distinct experts, and never more
+    // than the experts that are not resident
+    auto stage_for = [&](int32_t slots) {
+        return std::min({ n_inserts > 0 ? n_inserts : n_used * mc->max_batch, n_used * mc->max_batch, n_expert - slots });
+    };
+
+    // slots per device: fixed, or (auto) the most that fit the device's free memory minus the floor,
+    // capped by the ceiling; chosen once, here, and never resized during generation
+    std::map<ggml_backend_buffer_type_t, int32_t> slots_of;
+    for (auto it = by_buft.begin(); it != by_buft.end(); ) {
+        const auto & [buft, ils] = *it;
+        int32_t s = n_slots;
+        if (is_auto) {
+            ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+            size_t free = 0, total = 0;
+            ggml_backend_dev_memory(dev, &free, &total);
+            double budget = free / 1024.0 / 1024.0 - floor_mib;
+            if (ceil_mib > 0) {
+                budget = std::min(budget, (double) ceil_mib);
+            }
+            double per_slot = 0.0; // MiB of one slot in every layer on this device
+            for (int il : ils) {
+                const auto & layer = model->layers[il];
+                per_slot += (layer.ffn_up_exps->nb[2] + layer.ffn_gate_exps->nb[2] + layer.ffn_down_exps->nb[2]) / 1024.0 / 1024.0;
+            }
+            s = 0;
+            for (int32_t c = n_expert; c > 0; --c) {
+                if ((c + stage_for(c) + 1) * per_slot <= budget) {
+                    s = c;
+                    break;
+                }
+            }
+            LLAMA_LOG("%s: moe-cache: auto on %s: %.0f MiB free - %d MiB floor%s -> %d slots/layer for %zu layers "
+                    "(%.2f MiB per slot of every layer)\n", __func__, ggml_backend_buft_name(buft), free / 1024.0 / 1024.0,
+                    floor_mib, ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", s, ils.size(), per_slot);
+            if (s == 0) {
+                LLAMA_LOG_WARN("%s: moe-cache: WARNING auto resolved to 0 slots on %s: %.1f MiB left after the floor "
+                        "(and ceiling) cannot hold one slot per layer plus staging and the zero slot (%.1f MiB); "
+                        "its %zu layers are not cached\n", __func__, ggml_backend_buft_name(buft), budget,
+                        (2 + stage_for(1)) * per_slot, ils.size());
+                it = by_buft.erase(it);
+                continue;
+            }
+        }
+        slots_of[buft] = s;
+        ++it;
+    }
+    if (by_buft.empty()) {
+        LLAMA_LOG_WARN("%s: moe-cache: WARNING auto sizing left no device with room for a slot; the cache is OFF\n", __func__);
+        return -1;
+    }
+    n_slots = 0;
+    int32_t n_slots_min = n_expert;
+    for (const auto & [buft, s] : slots_of) {
+        n_slots     = std::max(n_slots, s);
+        n_slots_min = std::min(n_slots_min, s);
     }
 
     mc->n_slots   = n_slots;
     mc->n_inserts = n_inserts;
     mc->step      = 1; // step 0 means "never used"
-    // staging slots: a step can miss at most n_used * max_batch distinct experts, and never more
-    // than the experts that are not resident
-    const int32_t n_stage = std::min({ n_inserts > 0 ? n_inserts : n_used * mc->max_batch,
-                                       n_used * mc->max_batch, n_expert - n_slots });
     mc->layer_of_il.assign(model->layers.size(), -1);
 
     // device companions, one context + buffer per router buffer type, owned by the model
@@ -536,6 +599,8 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
     }
     mc->layers.reserve(n_layers);
     for (const auto & [buft, ils] : by_buft) {
+        const int32_t dev_slots = slots_of.at(buft);
+        const int32_t n_stage   = stage_for(dev_slots);
         ggml_init_params params = {
             /*.mem_size   =*/ ils.size() * (LLAMA_MOE_N_PROJ + 1) * ggml_tensor_overhead(),
             /*.mem_buffer =*/ nullptr,
@@ -546,8 +611,8 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
         for (int il : ils) {
             const auto & layer = model->layers[il];
             llama_moe_cache_layer l;
-            l.il = il; l.n_expert = n_expert; l.n_used = n_used; l.n_slots = n_slots;
-            l.n_stage = n_stage; l.n_phys = n_slots + n_stage;
+            l.il = il; l.n_expert = n_expert; l.n_used = n_used; l.n_slots = dev_slots; l.n_cap = dev_slots;
+            l.n_stage = n_stage; l.n_phys = dev_slots + n_stage;
             const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = { layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps };
             static const char * names[LLAMA_MOE_N_PROJ] = { "up", "gate", "down" };
             for (int p = 0; p < LLAMA_MOE_N_PROJ; ++p) {
@@ -571,7 +636,7 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
         if (buf == nullptr) {
             LLAMA_LOG_ERROR("%s: moe-cache: cannot allocate %d slots per layer in %s; the cache is OFF\n",
-                    __func__, n_slots, ggml_backend_buft_name(buft));
+                    __func__, dev_slots, ggml_backend_buft_name(buft));
             mc->layers.clear();
             mc->n_slots = 0;
             return -1;
@@ -581,7 +646,7 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
         mc->alloc_bytes += ggml_backend_buffer_get_size(buf);
         budgets += format("%s%s:%.2f", budgets.empty() ? "" : ",", ggml_backend_buft_name(buft),
                 ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
-        mc->devices.push_back({ ggml_backend_buft_name(buft), (int64_t) n_slots * (int64_t) ils.size(),
+        mc->devices.push_back({ ggml_backend_buft_name(buft), (int64_t) dev_slots * (int64_t) ils.size(),
                                 ggml_backend_buffer_get_size(buf) });
         LLAMA_LOG_INFO("%s: moe-cache: %8.2f MiB of expert slots for %zu layers in %s\n", __func__,
                 ggml_backend_buffer_get_size(buf)/1024.0/1024.0, ils.size(), ggml_backend_buft_name(buft));
@@ -639,11 +704,11 @@ int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t
     LLAMA_LOG("moe-cache-preamble: layers=%zu n_expert=%d top_k=%d slots=%d staging=%d inserts=%d slot_mib=%.4f "
             "budget_mib=%s cache_cycle_mb=%.2f layer_cycle_slots=%d\n", mc->layers.size(), n_expert, n_used, n_slots,
             l0.n_stage, n_inserts, l0.expert_bytes()/1024.0/1024.0, budgets.c_str(), cycle_mib, n_used);
-    if (n_slots < n_used) {
+    if (n_slots_min < n_used) {
         // the cliff guard: state the fact, once, at load
         LLAMA_LOG_WARN("%s: moe-cache: WARNING %d slots/layer is below the per-layer token cycle of %d slots at "
                 "top-k %d: one token's experts cannot all stay resident until the next token\n",
-                __func__, n_slots, n_used, n_used);
+                __func__, n_slots_min, n_used, n_used);
     }
     return (int32_t) mc->layers.size();
 }
@@ -839,10 +904,14 @@ static void llama_moe_trace_rows(llama_moe_cache & mc, const llama_ubatch & ub) 
     mc.trace_token += ub.n_tokens;
 }
 
-void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch & ubatch) {
+void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch * ubatch) {
     llama_moe_cache * mc = model.moe_cache;
-    if (mc == nullptr || !(mc->enabled() || mc->tracing())) {
+    if (mc == nullptr) {
         return;
+    }
+    mc->n_busy--;
+    if (ubatch == nullptr || !(mc->enabled() || mc->tracing())) {
+        return; // the graph failed, or nothing to do
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
     ggml_backend_sched_synchronize(sched); // no graph in flight from here on
@@ -851,7 +920,7 @@ void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_
         llama_moe_account(*mc);
     }
     if (mc->tracing()) {
-        llama_moe_trace_rows(*mc, ubatch);
+        llama_moe_trace_rows(*mc, *ubatch);
     }
     if (!mc->enabled()) {
         return;
@@ -986,4 +1055,75 @@ std::string llama_moe_cache_prometheus(const llama_model * model) {
     item("gauge", "moe_cache_slots",           "Expert cache slots per device (slots per layer x cached layers)", slots);
     item("gauge", "moe_cache_allocated_bytes", "Expert cache companion bytes allocated per device",              bytes);
     return out;
+}
+
+int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t n_inserts) {
+    return llama_moe_cache_init_impl(model, n_slots, n_inserts, LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT, 0);
+}
+
+int32_t llama_model_moe_cache_init_auto(llama_model * model, int32_t n_inserts, int32_t floor_mib, int32_t ceil_mib) {
+    return llama_moe_cache_init_impl(model, LLAMA_MOE_CACHE_AUTO, n_inserts, floor_mib, ceil_mib);
+}
+
+void llama_moe_cache_before_ubatch(const llama_model & model) {
+    if (model.moe_cache) {
+        model.moe_cache->n_busy++;
+    }
+}
+
+int32_t llama_model_moe_cache_set_slots(llama_model * model, int32_t n_slots) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || !mc->enabled()) {
+        LLAMA_LOG_ERROR("%s: moe-cache: the cache is off; nothing to resize\n", __func__);
+        return -1;
+    }
+    if (mc->n_busy.load() > 0) {
+        LLAMA_LOG_ERROR("%s: moe-cache: a graph is being computed; resize between generations\n", __func__);
+        return -2;
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    int32_t cap = 0;
+    for (const auto & l : mc->layers) {
+        cap = std::max(cap, l.n_cap);
+    }
+    if (n_slots < 0 || n_slots > cap) {
+        LLAMA_LOG_ERROR("%s: moe-cache: %d slots is out of range; accepted: 0 .. %d (the slots allocated at load)\n",
+                __func__, n_slots, cap);
+        return -1;
+    }
+    // settle the uploads in flight first, so that no slot is being written while tables change
+    mc->wait_uploads();
+    for (const auto & u : mc->in_flight) {
+        auto & l = mc->layers[u.layer];
+        mc->uploads++;
+        mc->upload_bytes += l.expert_bytes();
+        llama_moe_admit(l, u.expert, u.slot);
+    }
+    mc->in_flight.clear();
+    for (auto & l : mc->layers) {
+        l.n_slots = std::min(n_slots, l.n_cap);
+        // shrinking evicts at once: least recently used first, ties to the lowest expert id
+        while (l.n_resident > l.n_slots) {
+            int32_t victim = -1;
+            for (int32_t q = 0; q < l.n_phys; ++q) {
+                if (l.slot_state[q] != LLAMA_MOE_SLOT_RESIDENT) {
+                    continue;
+                }
+                const int32_t x = l.slot_expert[q];
+                const int32_t v = victim < 0 ? -1 : l.slot_expert[victim];
+                if (victim < 0 || l.used[x] < l.used[v] || (l.used[x] == l.used[v] && x < v)) {
+                    victim = q;
+                }
+            }
+            l.table[l.slot_expert[victim]] = l.n_phys;
+            l.slot_state[victim]  = LLAMA_MOE_SLOT_FREE;
+            l.slot_expert[victim] = -1;
+            l.n_resident--;
+            l.dirty = true;
+        }
+        l.misses_now.clear();
+    }
+    llama_moe_publish(*mc);
+    LLAMA_LOG("%s: moe-cache: %d slots/layer now\n", __func__, n_slots);
+    return n_slots;
 }

@@ -53,6 +53,9 @@ struct llama_moe_cache_stats {
     int32_t  n_expert_used;   // top-k
 };
 
+#define LLAMA_MOE_CACHE_AUTO               (-1)  // n_slots: size each device from its free memory
+#define LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT  1024  // auto: MiB left free on each device
+
 // Enables the cache on a loaded model: n_slots slots per host-resident MoE layer, at most
 // n_inserts uploads per layer per decode step (0 = unlimited). Call before creating contexts.
 // n_slots == 0 is a no-op. n_slots > n_expert is clamped (one INFO line).
@@ -60,6 +63,20 @@ struct llama_moe_cache_stats {
 // or a negative value on error (bad value, no host-resident MoE layer, no GGUF source); every
 // case where a requested cache does not engage is logged as a WARN or ERROR line.
 LLAMA_API int32_t llama_model_moe_cache_init(struct llama_model * model, int32_t n_slots, int32_t n_inserts);
+
+// Like llama_model_moe_cache_init, with the slots of each device's layers chosen at load from that
+// device's free memory (ggml_backend_dev_memory) minus floor_mib, capped by ceil_mib (0 = no cap),
+// clamped to [0, n_expert]; slots + staging + the zero slot of every layer must fit. One line per
+// device says what was chosen; a device left with 0 slots gets a WARN (its layers are not cached).
+// Returns the number of cached layers, or a negative value when nothing could be cached.
+LLAMA_API int32_t llama_model_moe_cache_init_auto(struct llama_model * model, int32_t n_inserts,
+                                                  int32_t floor_mib, int32_t ceil_mib);
+
+// Sets the slots per layer between generations, from 0 to the slots allocated at load (layers with
+// fewer allocated slots keep theirs). Shrinking evicts the least recently used experts at once;
+// output is unchanged either way (the split is exact). Returns the new slot count, -1 for a bad
+// value or no cache, -2 while a graph is being computed.
+LLAMA_API int32_t llama_model_moe_cache_set_slots(struct llama_model * model, int32_t n_slots);
 
 // Totals over all cached layers. Returns false when the model has no cache.
 LLAMA_API bool llama_model_moe_cache_get_stats(const struct llama_model * model, struct llama_moe_cache_stats * out);
@@ -129,9 +146,11 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
 ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_cache_layer * l,
                                           ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * down_h);
 
-// after each ubatch's graph: wait for it, account its routing (and write trace rows), publish the
-// uploads started after the previous ubatch, start new ones. Tables change only here.
-void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch & ubatch);
+// around each ubatch's graph: before_ubatch marks a graph in flight; after_ubatch (ubatch nullptr when
+// the graph failed) waits for it, accounts its routing (and writes trace rows), publishes the uploads
+// started after the previous ubatch and starts new ones. Tables change only there.
+void llama_moe_cache_before_ubatch(const llama_model & model);
+void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch * ubatch);
 
 // Prometheus text for llama-server's /metrics (empty when the cache is off): hits, misses, uploads,
 // upload bytes, resident bytes, slots and bytes per device

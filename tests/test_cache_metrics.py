@@ -77,3 +77,70 @@ def test_server_metrics_and_props(model_q8, rpc):
     # the summary at shutdown agrees with the counters
     s = engine.parse_cache_summaries(log)[-1]
     assert s.hit_pct == pytest.approx(100 * hits / (hits + misses), abs=0.05)
+
+
+def _run_args(model, rpc, tmp_path, extra, n_predict=16):
+    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(tmp_path / "l.bin"), "-m", str(model),
+           "-p", "Hello there", "-n", str(n_predict), "-c", "256", "-t", "2", "--fit", "off",
+           *engine.host_experts_args(rpc.endpoint), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_auto_sizes_from_the_device_and_its_ceiling(model_q8, rpc, tmp_path):
+    """auto with a ceiling: the slots are the most that fit the ceiling, layers x (slots + staging + 1)."""
+    spec = models.read_spec(model_q8)
+    slot_mib = models.expert_bytes(models.ModelSpec(ftype="Q8_0")) / 2**20
+    ceil_mib = 6
+    r = _run_args(model_q8, rpc, tmp_path, ["--moe-expert-cache", "auto", "--moe-expert-cache-floor-mb", "0",
+                                            "--moe-expert-cache-ceil-mb", str(ceil_mib)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = r.stdout + r.stderr
+    rec = engine.cache_record(log)
+    k, n = spec.n_expert_used, spec.n_expert
+    expect = max(s for s in range(1, n + 1) if spec.n_layer * (s + min(k, n - s) + 1) * slot_mib <= ceil_mib)
+    assert rec["slots"] == expect, log[-2000:]
+    assert "moe-cache: auto on RPC0" in log
+
+
+def test_auto_resolving_to_zero_warns_and_is_off(model_q8, rpc, tmp_path):
+    r = _run_args(model_q8, rpc, tmp_path, ["--moe-expert-cache", "auto", "--moe-expert-cache-floor-mb", "999999999"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = r.stdout + r.stderr
+    assert "auto resolved to 0 slots on RPC0" in log
+    assert "the expert cache is OFF" in log
+    assert engine.parse_cache_summaries(log) == []
+
+
+@pytest.mark.parametrize("args", [["--moe-expert-cache", "auto", "--moe-expert-cache", "8"],
+                                  ["--moe-expert-cache", "8", "--moe-expert-cache", "auto"]])
+def test_auto_mixed_with_a_number_is_refused(model_q8, args):
+    r = subprocess.run([str(engine.find_binary("llama-server")), "-m", str(model_q8), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "mutually exclusive" in r.stdout + r.stderr
+
+
+def test_slots_above_n_expert_are_clamped_with_one_line(model_q8, rpc, tmp_path):
+    r = _run_args(model_q8, rpc, tmp_path, ["--moe-expert-cache", "40", "-v"])
+    assert r.returncode == 0
+    log = r.stdout + r.stderr
+    assert log.count("40 slots > 16 experts per layer, clamped to 16") == 1
+    assert engine.cache_record(log)["slots"] == 16
+
+
+def test_runtime_shrink_is_byte_safe(model_q8, rpc, tmp_path):
+    """The seed's gate S3: warm the cache, shrink it to 0 (a full eviction), generate on; the output
+    equals a fresh process, and the counters show the eviction."""
+    n = 40
+    fresh = _run_args(model_q8, rpc, tmp_path, ["--moe-expert-cache", "0"], n_predict=n)
+    fresh_logits = (tmp_path / "l.bin").read_bytes()
+    r = _run_args(model_q8, rpc, tmp_path, ["--moe-expert-cache", "8", "--moe-resize-at", "20:0"], n_predict=n)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "moe-cache-resize 0" in r.stdout
+    assert (tmp_path / "l.bin").read_bytes() == fresh_logits
+    assert [l for l in r.stdout.splitlines() if l.startswith("token")] == \
+           [l for l in fresh.stdout.splitlines() if l.startswith("token")]
+    s = engine.parse_cache_summaries(r.stdout + r.stderr)[-1]
+    assert s.resident_mib == 0.0  # nothing resident after the shrink
+    # growing back within the allocation works; beyond it is refused
+    r = _run_args(model_q8, rpc, tmp_path, ["--moe-expert-cache", "8", "--moe-resize-at", "10:9"], n_predict=16)
+    assert "moe-cache-resize -1" in r.stdout and "out of range" in r.stdout + r.stderr

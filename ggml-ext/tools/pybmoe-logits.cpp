@@ -9,6 +9,8 @@
 // FILE gets, for each decode step (one token each), n_vocab float32 values in native byte order.
 // stdout gets the generated token ids, one per line ("token ID"). The prompt is decoded as one batch (prefill).
 // After the context is freed, stdout gets one line per cached layer: "moe-cache-layer IL HITS MISSES".
+// --moe-resize-at STEP:SLOTS calls llama_model_moe_cache_set_slots(SLOTS) after STEP decode steps
+// (between two llama_decode calls) and prints "moe-cache-resize RC".
 
 #include "arg.h"
 #include "common.h"
@@ -22,10 +24,18 @@
 
 int main(int argc, char ** argv) {
     std::string out_path;
+    int resize_step = -1, resize_slots = 0;
     std::vector<char *> args;
     for (int i = 0; i < argc; ++i) {
         if (strcmp(argv[i], "--logits-out") == 0 && i + 1 < argc) {
             out_path = argv[++i];
+            continue;
+        }
+        if (strcmp(argv[i], "--moe-resize-at") == 0 && i + 1 < argc) {
+            if (sscanf(argv[++i], "%d:%d", &resize_step, &resize_slots) != 2) {
+                fprintf(stderr, "pybmoe-logits: --moe-resize-at expects STEP:SLOTS, got '%s'\n", argv[i]);
+                return 2;
+            }
             continue;
         }
         args.push_back(argv[i]);
@@ -84,6 +94,9 @@ int main(int argc, char ** argv) {
         }
         printf("token %d\n", tok);
         fflush(stdout);
+        if (i == resize_step) {
+            printf("moe-cache-resize %d\n", llama_model_moe_cache_set_slots(model, resize_slots));
+        }
         if (i + 1 < params.n_predict && llama_decode(ctx, llama_batch_get_one(&tok, 1)) != 0) {
             fprintf(stderr, "pybmoe-logits: decode failed at step %d\n", i);
             return 1;
