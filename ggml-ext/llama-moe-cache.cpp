@@ -387,6 +387,9 @@ void llama_moe_schedule(llama_moe_cache & mc) {
     for (size_t li = 0; li < mc.layers.size(); ++li) {
         auto & l = mc.layers[li];
         int32_t budget = mc.n_inserts > 0 ? mc.n_inserts : l.n_expert;
+        if (l.n_slots == 0) {
+            budget = 0; // resized to nothing: an upload could never become resident
+        }
         int32_t p = 0;
         for (int32_t e : l.misses_now) {
             if (budget == 0) {

@@ -141,6 +141,10 @@ def test_runtime_shrink_is_byte_safe(model_q8, rpc, tmp_path):
            [l for l in fresh.stdout.splitlines() if l.startswith("token")]
     s = engine.parse_cache_summaries(r.stdout + r.stderr)[-1]
     assert s.resident_mib == 0.0  # nothing resident after the shrink
+    # once no slot can hold an expert, no upload is started: 18 more tokens add none
+    short = _run_args(model_q8, rpc, tmp_path, ["--moe-expert-cache", "8", "--moe-resize-at", "20:0"], n_predict=22)
+    s22 = engine.parse_cache_summaries(short.stdout + short.stderr)[-1]
+    assert s.uploads == s22.uploads and s.uploads > 0
     # growing back within the allocation works; beyond it is refused
     r = _run_args(model_q8, rpc, tmp_path, ["--moe-expert-cache", "8", "--moe-resize-at", "10:9"], n_predict=16)
     assert "moe-cache-resize -1" in r.stdout and "out of range" in r.stdout + r.stderr
