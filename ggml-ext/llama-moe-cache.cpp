@@ -339,37 +339,60 @@ void llama_moe_account(llama_moe_cache & mc) {
     }
 }
 
-// make a finished upload resident; evicts the least recently used resident when the layer is full
-// (never one selected in the last observed step; ties go to the lowest expert id, so the choice
-// depends on the routing only, not on slot placement)
+// the least recently used resident slot among experts last used before `used_before`, or -1;
+// ties go to the lowest expert id, so the choice depends on the routing only, not on slot placement
+int32_t llama_moe_lru_victim(const llama_moe_cache_layer & l, uint64_t used_before) {
+    int32_t victim = -1;
+    for (int32_t q = 0; q < l.n_phys; ++q) {
+        if (l.slot_state[q] != LLAMA_MOE_SLOT_RESIDENT || l.used[l.slot_expert[q]] >= used_before) {
+            continue;
+        }
+        const int32_t x = l.slot_expert[q];
+        const int32_t v = victim < 0 ? -1 : l.slot_expert[victim];
+        if (victim < 0 || l.used[x] < l.used[v] || (l.used[x] == l.used[v] && x < v)) {
+            victim = q;
+        }
+    }
+    return victim;
+}
+
+void llama_moe_evict(llama_moe_cache_layer & l, int32_t q) {
+    l.table[l.slot_expert[q]] = l.n_phys;
+    l.slot_state[q]  = LLAMA_MOE_SLOT_FREE;
+    l.slot_expert[q] = -1;
+    l.n_resident--;
+    l.dirty = true;
+}
+
+// make a finished upload resident; evicts the least recently used resident when the layer is full,
+// never one selected in the last observed step
 void llama_moe_admit(llama_moe_cache_layer & l, int32_t e, int32_t p) {
     if (l.n_resident == l.n_slots) {
-        int32_t victim = -1;
-        for (int32_t q = 0; q < l.n_phys; ++q) {
-            if (l.slot_state[q] != LLAMA_MOE_SLOT_RESIDENT || l.used[l.slot_expert[q]] >= l.last_step) {
-                continue;
-            }
-            const int32_t x = l.slot_expert[q];
-            const int32_t v = victim < 0 ? -1 : l.slot_expert[victim];
-            if (victim < 0 || l.used[x] < l.used[v] || (l.used[x] == l.used[v] && x < v)) {
-                victim = q;
-            }
-        }
+        const int32_t victim = llama_moe_lru_victim(l, l.last_step);
         if (victim < 0) {
             // every resident expert was needed just now: drop the upload
             l.slot_state[p]  = LLAMA_MOE_SLOT_FREE;
             l.slot_expert[p] = -1;
             return;
         }
-        l.table[l.slot_expert[victim]] = l.n_phys;
-        l.slot_state[victim]  = LLAMA_MOE_SLOT_FREE;
-        l.slot_expert[victim] = -1;
-        l.n_resident--;
+        llama_moe_evict(l, victim);
     }
     l.table[e]       = p;
     l.slot_state[p]  = LLAMA_MOE_SLOT_RESIDENT;
     l.n_resident++;
     l.dirty = true;
+}
+
+// wait for the uploads in flight and make them resident
+void llama_moe_settle(llama_moe_cache & mc) {
+    mc.wait_uploads();
+    for (const auto & u : mc.in_flight) {
+        auto & l = mc.layers[u.layer];
+        mc.uploads++;
+        mc.upload_bytes += l.expert_bytes();
+        llama_moe_admit(l, u.expert, u.slot);
+    }
+    mc.in_flight.clear();
 }
 
 void llama_moe_publish(llama_moe_cache & mc) {
@@ -929,15 +952,7 @@ void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_
         return;
     }
 
-    // uploads started after the previous ubatch become visible now
-    mc->wait_uploads();
-    for (const auto & u : mc->in_flight) {
-        auto & l = mc->layers[u.layer];
-        mc->uploads++;
-        mc->upload_bytes += l.expert_bytes();
-        llama_moe_admit(l, u.expert, u.slot);
-    }
-    mc->in_flight.clear();
+    llama_moe_settle(*mc);    // uploads started after the previous ubatch become visible now
 
     llama_moe_publish(*mc);   // both copies change together
     llama_moe_schedule(*mc);  // into free slots, which no table entry points at
@@ -1094,35 +1109,12 @@ int32_t llama_model_moe_cache_set_slots(llama_model * model, int32_t n_slots) {
                 __func__, n_slots, cap);
         return -1;
     }
-    // settle the uploads in flight first, so that no slot is being written while tables change
-    mc->wait_uploads();
-    for (const auto & u : mc->in_flight) {
-        auto & l = mc->layers[u.layer];
-        mc->uploads++;
-        mc->upload_bytes += l.expert_bytes();
-        llama_moe_admit(l, u.expert, u.slot);
-    }
-    mc->in_flight.clear();
+    llama_moe_settle(*mc); // no slot is being written while the tables change
     for (auto & l : mc->layers) {
         l.n_slots = std::min(n_slots, l.n_cap);
-        // shrinking evicts at once: least recently used first, ties to the lowest expert id
+        // shrinking evicts at once, least recently used first
         while (l.n_resident > l.n_slots) {
-            int32_t victim = -1;
-            for (int32_t q = 0; q < l.n_phys; ++q) {
-                if (l.slot_state[q] != LLAMA_MOE_SLOT_RESIDENT) {
-                    continue;
-                }
-                const int32_t x = l.slot_expert[q];
-                const int32_t v = victim < 0 ? -1 : l.slot_expert[victim];
-                if (victim < 0 || l.used[x] < l.used[v] || (l.used[x] == l.used[v] && x < v)) {
-                    victim = q;
-                }
-            }
-            l.table[l.slot_expert[victim]] = l.n_phys;
-            l.slot_state[victim]  = LLAMA_MOE_SLOT_FREE;
-            l.slot_expert[victim] = -1;
-            l.n_resident--;
-            l.dirty = true;
+            llama_moe_evict(l, llama_moe_lru_victim(l, UINT64_MAX));
         }
         l.misses_now.clear();
     }
