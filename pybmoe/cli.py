@@ -40,37 +40,31 @@ def _bin(argv: list[str]) -> int:
     return rc
 
 
+# subcommand -> module whose main(argv) runs it (imported lazily, so `pybmoe serve` stays fast)
+_MODULES = {
+    "vendor": "vendor",
+    "patches": "patches",
+    "make-model": "models",
+    "demo": "demo",
+    "trace": "trace",
+    "simulate": "sim",
+    "size": "sizing",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    if cmd == "vendor":
-        from . import vendor
-        return vendor.main(rest)
-    if cmd == "patches":
-        from . import patches
-        return patches.main(rest)
-    if cmd == "make-model":
-        from . import models
-        return models.main(rest)
     if cmd == "serve":
         return _serve(rest)
-    if cmd == "demo":
-        from . import demo
-        return demo.main(rest)
     if cmd == "bin":
         return _bin(rest)
-    if cmd == "trace":
-        from . import trace
-        return trace.main(rest)
-    if cmd == "simulate":
-        from . import sim
-        return sim.main(rest)
-    if cmd == "size":
-        from . import sizing
-        return sizing.main(rest)
+    if cmd in _MODULES:
+        import importlib
+        return importlib.import_module(f".{_MODULES[cmd]}", __package__).main(rest)
     print(f"pybmoe: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 
