@@ -11,18 +11,31 @@
 // After the context is freed, stdout gets one line per cached layer: "moe-cache-layer IL HITS MISSES".
 // --moe-resize-at STEP:SLOTS calls llama_model_moe_cache_set_slots(SLOTS) after STEP decode steps
 // (between two llama_decode calls) and prints "moe-cache-resize RC".
+// --abi (alone) prints sizeof and field offsets of struct llama_moe_cache_stats.
 
 #include "arg.h"
 #include "common.h"
 #include "llama.h"
 #include "llama-moe-cache.h"
 
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
 int main(int argc, char ** argv) {
+    if (argc == 2 && strcmp(argv[1], "--abi") == 0) {
+        // the layout the Python bindings mirror (pybmoe.bindings.MoeCacheStatsC)
+        printf("llama_moe_cache_stats %zu", sizeof(llama_moe_cache_stats));
+#define PYBMOE_OFF(f) printf(" %s=%zu", #f, offsetof(llama_moe_cache_stats, f))
+        PYBMOE_OFF(hits); PYBMOE_OFF(misses); PYBMOE_OFF(uploads); PYBMOE_OFF(upload_bytes);
+        PYBMOE_OFF(resident_bytes); PYBMOE_OFF(alloc_bytes); PYBMOE_OFF(n_steps); PYBMOE_OFF(n_layers);
+        PYBMOE_OFF(n_slots); PYBMOE_OFF(n_inserts); PYBMOE_OFF(n_expert); PYBMOE_OFF(n_expert_used);
+#undef PYBMOE_OFF
+        printf("\n");
+        return 0;
+    }
     std::string out_path;
     int resize_step = -1, resize_slots = 0;
     std::vector<char *> args;

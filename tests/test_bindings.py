@@ -1,0 +1,68 @@
+"""pybmoe.Llama: llama_cpp.Llama with expert placement and the expert cache, bound with ctypes."""
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import pytest
+
+from pybmoe import demo, engine, models
+
+bindings = pytest.importorskip("pybmoe.bindings", reason="the llama_cpp bindings are not installed")
+
+PROMPT = "The quick brown fox"
+
+
+def test_stats_struct_layout_matches_c():
+    out = subprocess.run([str(engine.find_binary("pybmoe-logits")), "--abi"], capture_output=True, text=True).stdout
+    name, size, *fields = out.split()
+    assert name == "llama_moe_cache_stats"
+    assert int(size) == ctypes.sizeof(bindings.MoeCacheStatsC)
+    offsets = dict(f.split("=") for f in fields)
+    assert set(offsets) == {f for f, _ in bindings.MoeCacheStatsC._fields_}
+    for f, _ in bindings.MoeCacheStatsC._fields_:
+        assert int(offsets[f]) == getattr(bindings.MoeCacheStatsC, f).offset, f
+
+
+@pytest.mark.parametrize("bad", [{"moe_expert_cache": -1}, {"moe_expert_cache": "lots"}, {"moe_expert_cache": 2.5},
+                                 {"moe_expert_cache_inserts": -2}, {"n_cpu_moe": -1},
+                                 {"override_tensor": "no-equals-sign"}, {"rpc_servers": "nohostport"}])
+def test_bad_arguments_raise_value_error(model_q8, bad):
+    with pytest.raises(ValueError):
+        bindings.Llama(str(model_q8), verbose=False, **bad)
+
+
+def test_generation_equals_llama_server_and_stats_are_counted(model_q8, rpc):
+    n = 24
+    # same settings on both sides: no flash attention (llama_cpp.Llama default), same batch sizes
+    srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 8, 0, ["-fa", "off", "-b", "512", "-ub", "512"]))
+    with srv:
+        want = srv.completion(PROMPT, n_predict=n)["content"]
+    srv.stop()
+
+    llm = bindings.Llama(str(model_q8), n_gpu_layers=99, cpu_moe=True, repack=False, moe_expert_cache=8,
+                         rpc_servers=rpc.endpoint, n_ctx=1024, n_threads=2, verbose=False)
+    try:
+        got = llm(PROMPT, max_tokens=n, temperature=0, top_k=1, repeat_penalty=1.0)["choices"][0]["text"]
+        assert got == want
+        st = llm.moe_cache_stats()
+        spec = models.read_spec(model_q8)
+        assert st.n_slots == 8 and st.n_layers == spec.n_layer
+        assert st.hits + st.misses == spec.n_layer * spec.n_expert_used * st.steps and st.steps >= n - 1
+        assert st.hits > 0 and st.uploads > 0 and st.resident_mib > 0 and 0 < st.hit_rate < 1
+        # resize between generations: shrink to nothing, then generation is unchanged
+        assert llm.set_moe_cache_slots(0) == 0
+        assert llm.moe_cache_stats().resident_mib == 0.0
+        llm.reset()
+        again = llm(PROMPT, max_tokens=n, temperature=0, top_k=1, repeat_penalty=1.0)["choices"][0]["text"]
+        assert again == want
+        with pytest.raises(ValueError):
+            llm.set_moe_cache_slots(99)
+    finally:
+        llm.close()  # before the RPC device goes away
+
+
+def test_a_cache_that_cannot_engage_raises(model_q8):
+    # everything on the CPU: no MoE layer has a device-resident router
+    with pytest.raises(ValueError, match="did not engage"):
+        bindings.Llama(str(model_q8), n_gpu_layers=0, moe_expert_cache=4, verbose=False)
