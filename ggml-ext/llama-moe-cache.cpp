@@ -633,7 +633,6 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
             /*.no_alloc   =*/ true,
         };
         ggml_context_ptr ctx { ggml_init(params) };
-        std::vector<size_t> first;
         for (int il : ils) {
             const auto & layer = model->layers[il];
             llama_moe_cache_layer l;

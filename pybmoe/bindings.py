@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path

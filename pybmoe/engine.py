@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -331,11 +330,3 @@ def host_experts_args(rpc_endpoint: str) -> list[str]:
     CPU kernels and the split is bit-exact.
     """
     return ["--rpc", rpc_endpoint, "-ngl", "99", "--cpu-moe", "--no-repack"]
-
-
-def which_any(*names: str) -> str | None:
-    for n in names:
-        p = shutil.which(n)
-        if p:
-            return p
-    return None

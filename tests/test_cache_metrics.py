@@ -8,11 +8,15 @@ import pytest
 from pybmoe import engine, models
 
 
-def _run(model, rpc, slots: int, tmp_path, n_predict: int = 16) -> str:
+def _run_args(model, rpc, tmp_path, extra, n_predict=16) -> subprocess.CompletedProcess:
     cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(tmp_path / "l.bin"), "-m", str(model),
            "-p", "Hello there", "-n", str(n_predict), "-c", "256", "-t", "2", "--fit", "off",
-           *engine.host_experts_args(rpc.endpoint), *engine.cache_args(slots)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+           *engine.host_experts_args(rpc.endpoint), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def _run(model, rpc, slots: int, tmp_path, n_predict: int = 16) -> str:
+    r = _run_args(model, rpc, tmp_path, engine.cache_args(slots), n_predict)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout + r.stderr
 
@@ -77,13 +81,6 @@ def test_server_metrics_and_props(model_q8, rpc):
     # the summary at shutdown agrees with the counters
     s = engine.parse_cache_summaries(log)[-1]
     assert s.hit_pct == pytest.approx(100 * hits / (hits + misses), abs=0.05)
-
-
-def _run_args(model, rpc, tmp_path, extra, n_predict=16):
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(tmp_path / "l.bin"), "-m", str(model),
-           "-p", "Hello there", "-n", str(n_predict), "-c", "256", "-t", "2", "--fit", "off",
-           *engine.host_experts_args(rpc.endpoint), *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 def test_auto_sizes_from_the_device_and_its_ceiling(model_q8, rpc, tmp_path):
