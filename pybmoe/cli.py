@@ -2,13 +2,14 @@
 
     pybmoe vendor            fetch, verify, unpack and patch the pinned upstream
     pybmoe patches ...       list | check | export the patch series
-    pybmoe make-model OUT    write a tiny deterministic real-architecture MoE GGUF
+    pybmoe make-model OUT    write a tiny deterministic real-architecture MoE GGUF (--like NAME: a real shape)
     pybmoe serve ARGS...     exec the patched llama-server (every upstream flag passes through)
     pybmoe demo              cache off vs on on the embedded model, with a loopback RPC device
     pybmoe bin [NAME]        print where the patched binaries are
     pybmoe trace ...         routing traces: convert IN -o OUT | stats IN
     pybmoe simulate TRACE    replay expert-cache policies over a routing trace
     pybmoe size -m MODEL     recommend cache slots per layer (from a trace if given)
+    pybmoe sweep -m MODEL    benchmark sweep of the cache with llama-bench (CSV + PNG)
 """
 from __future__ import annotations
 
@@ -44,11 +45,12 @@ def _bin(argv: list[str]) -> int:
 _MODULES = {
     "vendor": "vendor",
     "patches": "patches",
-    "make-model": "models",
+    "make-model": "shapes",  # --like NAME: shape presets; otherwise models.main
     "demo": "demo",
     "trace": "trace",
     "simulate": "sim",
     "size": "sizing",
+    "sweep": "bench",
 }
 
 

@@ -1,12 +1,14 @@
-"""Plots of replay results (matplotlib, Agg backend: no display needed).
+"""Plots of replay and benchmark results (matplotlib, Agg backend: no display needed).
 
-Plots are built from the tidy frames of :mod:`pybmoe.sim`, never from raw traces.
+Plots are built from tidy frames (:mod:`pybmoe.sim` sweeps, :mod:`pybmoe.bench` sweeps), never
+from raw traces or logs.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 
@@ -49,6 +51,75 @@ def hit_rate_plot(df: pd.DataFrame, path: str | os.PathLike, *, n_layer: int, to
     top = ax.secondary_xaxis("top", functions=(lambda x: x / n_layer, lambda s: s * n_layer))
     top.set_xlabel("slots per layer")
     ax.legend(loc="lower right", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def sweep_plot(runs: pd.DataFrame, path: str | os.PathLike, *, title: str = "") -> Path:
+    """Write a PNG of one mode of a :func:`pybmoe.bench.sweep`: tok/s (top) and hit % (bottom)
+    against slots per layer.
+
+    ``runs`` holds the rows of one mode (``pp`` or ``tg``) of ``sweep.csv``: columns ``slots``,
+    ``inserts``, ``n_ubatch``, ``n_threads``, ``backend``, ``avg_ts`` (tok/s), ``hit_pct`` (%)
+    and ``overflow``. One line per configuration (insert cap, ubatch, threads, backend): the
+    median over repeats with min–max bars, the cache-off median (``slots = 0``) of that
+    configuration drawn as a dashed horizontal line of the same colour, and overflowed runs as
+    red crosses (left out of the medians). Returns the path; raises :class:`ValueError` for an
+    empty frame or more than one mode.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if len(runs) == 0:
+        raise ValueError("nothing to plot: the frame has no rows; accepted: the rows of one mode of sweep.csv")
+    if "mode" in runs and runs["mode"].nunique() > 1:
+        raise ValueError(f"one mode per plot; got {sorted(runs['mode'].unique())}")
+    ok = runs[~runs["overflow"].astype(bool)]
+    bad = runs[runs["overflow"].astype(bool)]
+    cfg_keys = ["backend", "n_threads", "n_ubatch"]
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 6.4), dpi=120, sharex=True,
+                                 gridspec_kw={"height_ratios": [3, 2]})
+    color_i = 0
+    for cfg, g in ok.groupby(cfg_keys, sort=True):
+        base = g[g["slots"] == 0]["avg_ts"].median()
+        label_cfg = f"{cfg[0]}, t={cfg[1]}, ub={cfg[2]}"
+        on = g[g["slots"] > 0]
+        inserts = sorted(on["inserts"].unique()) or [0]
+        for ins in inserts:
+            color = f"C{color_i % 10}"
+            color_i += 1
+            h = on[on["inserts"] == ins].groupby("slots")
+            med = h["avg_ts"].median()
+            lo, hi = h["avg_ts"].min(), h["avg_ts"].max()
+            lab = f"{label_cfg}, inserts={'∞' if ins == 0 else ins}"
+            if len(med):
+                ax.errorbar(med.index, med.values, yerr=[med.values - lo.values, hi.values - med.values],
+                            marker="o", markersize=4, capsize=3, linewidth=1.4, color=color, label=lab)
+                hit = h["hit_pct"].median()
+                bx.plot(hit.index, hit.values, marker="o", markersize=4, linewidth=1.4, color=color, label=lab)
+            if not np.isnan(base):
+                ax.axhline(base, color=color, linestyle="--", linewidth=1)
+                ax.annotate(f"cache off {base:.1f} tok/s", xy=(0, base), xytext=(4, 3), textcoords="offset points",
+                            fontsize=8, color=color)
+    if len(bad):
+        y = bad["avg_ts"].fillna(0)
+        ax.scatter(bad["slots"], y, marker="x", color="red", s=40, zorder=5, label="overflow (not a result)")
+        bx.scatter(bad["slots"], np.zeros(len(bad)), marker="x", color="red", s=40, zorder=5)
+    ax.set_ylabel("tok/s (median, min–max)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=7)
+    bx.set_ylabel("hit rate (%)")
+    bx.set_ylim(0, 100)
+    bx.set_xlabel("slots per layer (0 = cache off)")
+    bx.grid(True, alpha=0.3)
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
