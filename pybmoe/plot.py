@@ -106,14 +106,19 @@ def sweep_plot(runs: pd.DataFrame, path: str | os.PathLike, *, title: str = "") 
                 bx.plot(hit.index, hit.values, marker="o", markersize=4, linewidth=1.4, color=color, label=lab)
             if not np.isnan(base):
                 ax.axhline(base, color=color, linestyle="--", linewidth=1)
-                ax.annotate(f"cache off {base:.1f} tok/s", xy=(0, base), xytext=(4, 3), textcoords="offset points",
+                ax.plot([0], [base], marker="s", markersize=5, color=color)
+                ax.annotate(f"cache off {base:.1f} tok/s", xy=(0, base), xytext=(6, 4), textcoords="offset points",
                             fontsize=8, color=color)
     if len(bad):
         y = bad["avg_ts"].fillna(0)
         ax.scatter(bad["slots"], y, marker="x", color="red", s=40, zorder=5, label="overflow (not a result)")
         bx.scatter(bad["slots"], np.zeros(len(bad)), marker="x", color="red", s=40, zorder=5)
+    from matplotlib.ticker import MaxNLocator
+    hi_slots = max(float(runs["slots"].max()), 1.0)
+    bx.set_xlim(-0.04 * hi_slots - 0.5, 1.06 * hi_slots + 0.5)
+    bx.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("tok/s (median, min–max)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.1)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower right", fontsize=7)
     bx.set_ylabel("hit rate (%)")

@@ -1,0 +1,123 @@
+"""pybmoe sweep: a tiny real sweep on the embedded model with a loopback RPC device.
+
+Only the shape of the output and the cache's counters are asserted, never timings.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pybmoe import bench, cli
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(model_q8, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    rc = cli.main(["sweep", "-m", str(model_q8), "--slots", "0,8", "--repeats", "2", "--out", str(out),
+                   "-p", "16", "-n", "16", "--threads", "1", "--rpc-threads", "1", "--backend", "rpc",
+                   "--no-progress"])
+    assert rc == 0
+    return out
+
+
+def test_sweep_writes_tidy_csv(tiny_sweep):
+    runs = pd.read_csv(tiny_sweep / "sweep.csv")
+    # llama-bench's own columns, then ours
+    for c in ("n_prompt", "n_gen", "n_threads", "n_ubatch", "avg_ts", "avg_ns", "model_filename", *bench.CACHE_COLUMNS):
+        assert c in runs.columns, c
+    assert len(runs) == 2 * 2 * 2                        # slots x repeats x modes
+    assert sorted(runs.groupby(["mode", "slots"]).size().tolist()) == [2, 2, 2, 2]
+    assert set(runs["repeat"]) == {0, 1}
+    pp, tg = runs[runs["mode"] == "pp"], runs[runs["mode"] == "tg"]
+    assert (pp["n_prompt"] == 16).all() and (pp["n_gen"] == 0).all()
+    assert (tg["n_prompt"] == 0).all() and (tg["n_gen"] == 16).all()
+    assert not runs["overflow"].any()
+    assert (runs["avg_ts"] > 0).all()
+
+
+def test_sweep_cache_columns(tiny_sweep):
+    runs = pd.read_csv(tiny_sweep / "sweep.csv")
+    off, on = runs[runs["slots"] == 0], runs[runs["slots"] == 8]
+    assert off["hit_pct"].isna().all()
+    assert (off["uploads"] == 0).all() and (off["resident_mib"] == 0).all()
+    tg_on = on[on["mode"] == "tg"]
+    assert (tg_on["hit_pct"] > 0).all()
+    assert (tg_on["uploads"] > 0).all()
+    assert (tg_on["resident_mib"] > 0).all()
+    # the tiny model: 4 layers x 16 experts, top-4; 8 slots of 0.1992 MiB per layer -> 6.4 MiB resident when full
+    assert (tg_on["resident_mib"] <= 6.4 + 1e-6).all()
+    assert np.allclose(tg_on["slot_mib"], 0.1992)
+    # every decode step of warm-up + 16 tokens is served (one graph per token)
+    assert (tg_on["steps"] >= 16).all()
+    # prompt batches use the stock graph: no lookups, no uploads
+    pp_on = on[on["mode"] == "pp"]
+    assert (pp_on["hit_pct"] == 0).all() and (pp_on["uploads"] == 0).all()
+
+
+def test_sweep_summary_and_plots(tiny_sweep):
+    s = pd.read_csv(tiny_sweep / "sweep-summary.csv")
+    assert len(s) == 4
+    assert (s["n"] == 2).all()
+    off = s[s["slots"] == 0]
+    assert np.allclose(off["ratio"], 1.0)
+    base = off.set_index("mode")["median_ts"]
+    assert np.allclose(s["baseline_ts"], s["mode"].map(base))
+    assert np.allclose(s["ratio"], s["median_ts"] / s["baseline_ts"])
+    assert (s[(s["slots"] == 8) & (s["mode"] == "tg")]["median_hit_pct"] > 0).all()
+    for mode in ("pp", "tg"):
+        png = tiny_sweep / f"sweep-{mode}.png"
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        assert png.stat().st_size > 10_000
+
+
+def test_floor_marks_overflow(model_q8, tmp_path):
+    # a floor above the device's free memory: every run's buffers "spill"; rows are marked, not dropped
+    res = bench.sweep(model_q8, tmp_path, slots=[0, 8], repeats=1, n_prompt=8, n_gen=8, modes=["tg"], threads=[1],
+                      backends=["rpc"], rpc_threads=1, floor_mib=1e9, progress=False, plots=False)
+    assert len(res.runs) == 2
+    assert res.runs["overflow"].all()
+    assert res.runs["overflow_reason"].str.contains("MiB free").all()
+    assert res.summary["overflow"].all()
+
+
+def test_overflow_reason_lines():
+    # the engine's own lines (ggml-ext/llama-moe-cache.cpp, ggml-cuda.cu) mark a spill ...
+    assert "cannot allocate" in bench.overflow_reason(
+        "llama_moe_cache_init_impl: moe-cache: cannot allocate 96 slots per layer in CUDA0; the cache is OFF\n")
+    assert "cudaMalloc failed" in bench.overflow_reason(
+        "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9000.00 MiB on device 0: cudaMalloc failed: "
+        "out of memory\n")
+    assert bench.overflow_reason("moe-cache: WARNING auto resolved to 0 slots on CUDA0: 10.0 MiB left\n")
+    # ... while experts placed on the host by -ncmoe are the normal case
+    assert bench.overflow_reason(
+        "done_getting_tensors: tensor 'blk.0.ffn_gate_exps.weight' (q8_0) (and 11 others) cannot be used with "
+        "preferred buffer type RPC0[127.0.0.1:5], using CPU instead\n") is None
+    log = ("llama_prepare_model_devices: using device CUDA0 (NVIDIA H200) (0000:00:00.0) - 1000 MiB free\n"
+           "load_tensors:        CUDA0 model buffer size =   700.00 MiB\n"
+           "llama_kv_cache:        CUDA0 KV buffer size =   100.00 MiB\n"
+           "sched_reserve:      CUDA0 compute buffer size =   150.00 MiB\n")
+    assert bench.overflow_reason(log) is None
+    assert "CUDA0" in bench.overflow_reason(log, floor_mib=100)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--slots", "0,-8"], "slots"),
+    (["--repeats", "0"], "repeats"),
+    (["--backend", "tpu"], "backend"),
+])
+def test_bad_input_fails_early(model_q8, tmp_path, capsys, argv, message):
+    rc = cli.main(["sweep", "-m", str(model_q8), "--out", str(tmp_path / "o"), "--no-progress", *argv])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "error" in err and message in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_model_fails_early(tmp_path, capsys):
+    rc = cli.main(["sweep", "-m", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "o"), "--no-progress"])
+    assert rc == 2
+    assert "nope.gguf not found" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
