@@ -98,6 +98,9 @@ struct llama_moe_cache {
     std::vector<std::string> paths;
     std::map<std::string, llama_moe_source> sources;
 
+    // device memory set aside ahead of the cache (the contexts' projected KV + compute), for auto
+    std::map<ggml_backend_dev_t, size_t> reserve;
+
     // configuration
     int32_t n_slots   = 0;
     int32_t n_inserts = 0;
@@ -443,6 +446,13 @@ void llama_moe_schedule(llama_moe_cache & mc) {
 // load-time
 //
 
+// the cache --fit's probe loads count (process-wide: the probes load the model themselves)
+static int32_t g_llama_moe_fit_slots   = 0;
+static int32_t g_llama_moe_fit_inserts = 0;
+
+static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, int32_t n_inserts,
+                                         int32_t floor_mib, int32_t ceil_mib);
+
 void llama_moe_cache_record_sources(llama_model & model, const llama_model_loader & ml, const std::vector<std::string> & paths) {
     if (paths.empty() || paths[0].empty()) {
         return; // loaded from a FILE * or from metadata: no source; init reports it
@@ -454,6 +464,9 @@ void llama_moe_cache_record_sources(llama_model & model, const llama_model_loade
         if (name.find("_exps.weight") != std::string::npos) {
             mc->sources[name] = { w.idx, w.offs, ggml_nbytes(w.tensor) };
         }
+    }
+    if (model.hparams.no_alloc && g_llama_moe_fit_slots > 0) {
+        llama_moe_cache_init_impl(&model, g_llama_moe_fit_slots, g_llama_moe_fit_inserts, 0, 0);
     }
 }
 
@@ -481,9 +494,9 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         LLAMA_LOG_INFO("%s: moe-cache: model has no MoE layers; --moe-expert-cache is inert\n", __func__);
         return 0;
     }
-    if (hp.no_alloc) {
-        return 0; // memory-estimation load (--fit probe): no buffers to cache into
-    }
+    // a memory-estimation load (the --fit probe): size the slots and give their tensors a dummy
+    // buffer, so that the model's memory breakdown counts them on the right device; nothing runs
+    const bool estimate = hp.no_alloc;
     llama_moe_cache * mc = model->moe_cache;
     if (mc == nullptr || mc->paths.empty()) {
         LLAMA_LOG_ERROR("%s: moe-cache: requested %d slots but the model was not loaded from a GGUF file path, "
@@ -504,8 +517,9 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         n_slots = n_expert;
     }
 
-    // which layers can be cached
+    // which layers can be cached; every reason a MoE layer with host experts is not is one WARN line
     std::map<ggml_backend_buffer_type_t, std::vector<int>> by_buft;
+    std::map<std::string, std::vector<int>> not_cached; // reason -> layers
     int n_moe = 0;
     for (int il = 0; il < (int) model->layers.size(); ++il) {
         const auto & layer = model->layers[il];
@@ -514,22 +528,26 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
             continue;
         }
         n_moe++;
+        const ggml_tensor * any_exps = exps[0] ? exps[0] : layer.ffn_gate_up_exps;
+        if (!llama_moe_buft_is_host(ggml_backend_buffer_get_type(any_exps->buffer))) {
+            continue; // experts already on a device: nothing to cache
+        }
         if (layer.ffn_gate_up_exps || !exps[0] || !exps[1] || !exps[2]) {
-            llama_moe_log_once("fused", "layer %d: fused gate_up experts are not cached yet (stock graph)", il);
+            not_cached["fused gate_up experts are not cached yet (stock graph)"].push_back(il);
             continue;
         }
         if (layer.ffn_up_exps_s || layer.ffn_gate_exps_s || layer.ffn_down_exps_s ||
             layer.ffn_up_exps_b || layer.ffn_gate_exps_b || layer.ffn_down_exps_b) {
-            llama_moe_log_once("scales", "layer %d: experts with per-expert scales or biases are not cached yet (stock graph)", il);
+            not_cached["experts with per-expert scales or biases are not cached yet (stock graph)"].push_back(il);
             continue;
-        }
-        if (!llama_moe_buft_is_host(ggml_backend_buffer_get_type(exps[0]->buffer))) {
-            continue; // experts already on a device
         }
         ggml_backend_buffer_type_t rbuft = ggml_backend_buffer_get_type(layer.ffn_gate_inp->buffer);
         if (llama_moe_buft_is_host(rbuft)) {
-            llama_moe_log_once("router-host", "layer %d: router is in host memory (%s), nothing to cache it on",
-                    il, ggml_backend_buft_name(rbuft));
+            // slots go where the router is; a router that fell back to a host (or pinned host) buffer,
+            // for example a type the device does not support, or -ot on the router, leaves no device
+            not_cached[format("the router ffn_gate_inp (%s) is in host buffer type %s, so there is no device to "
+                    "hold slots; keep it on the device", ggml_type_name(layer.ffn_gate_inp->type),
+                    ggml_backend_buft_name(rbuft))].push_back(il);
             continue;
         }
         bool ok = true;
@@ -537,16 +555,29 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
             ok = ok && mc->sources.count(ggml_get_name(t)) && t->ne[2] == n_expert;
         }
         if (!ok) {
-            LLAMA_LOG_WARN("%s: moe-cache: layer %d: expert tensors have no GGUF source; layer not cached\n", __func__, il);
+            not_cached["expert tensors have no GGUF source"].push_back(il);
             continue;
         }
         by_buft[rbuft].push_back(il);
+    }
+    if (!estimate) {
+        for (const auto & [why, ils] : not_cached) {
+            std::string list;
+            for (int il : ils) {
+                list += (list.empty() ? "" : ",") + std::to_string(il);
+            }
+            LLAMA_LOG_WARN("%s: moe-cache: WARNING %zu layer(s) not cached (%s): %s\n", __func__, ils.size(),
+                    list.c_str(), why.c_str());
+        }
     }
     if (n_moe == 0) {
         LLAMA_LOG_INFO("%s: moe-cache: model has no MoE layers; --moe-expert-cache is inert\n", __func__);
         return 0;
     }
     if (by_buft.empty()) {
+        if (estimate) {
+            return 0;
+        }
         LLAMA_LOG_WARN("%s: moe-cache: WARNING requested %s slots but none of the %d MoE layers has host-resident experts "
                 "with a device-resident router (offload layers with -ngl and keep experts on the host with --cpu-moe, "
                 "--n-cpu-moe or -ot exps=CPU); the cache is OFF\n", __func__,
@@ -562,33 +593,59 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
 
     // slots per device: fixed, or (auto) the most that fit the device's free memory minus the floor,
     // capped by the ceiling; chosen once, here, and never resized during generation
+    // (a --fit probe sizes fixed slots only: auto takes what is left after fitting, so it reserves nothing there)
     std::map<ggml_backend_buffer_type_t, int32_t> slots_of;
     for (auto it = by_buft.begin(); it != by_buft.end(); ) {
         const auto & [buft, ils] = *it;
         int32_t s = n_slots;
+        if (estimate && is_auto) {
+            it = by_buft.erase(it);
+            continue;
+        }
+        double per_slot = 0.0; // MiB of one slot in every layer on this device
+        for (int il : ils) {
+            const auto & layer = model->layers[il];
+            per_slot += (layer.ffn_up_exps->nb[2] + layer.ffn_gate_exps->nb[2] + layer.ffn_down_exps->nb[2]) / 1024.0 / 1024.0;
+        }
+        auto fits = [&](int32_t c, double budget) { return (c + stage_for(c) + 1) * per_slot <= budget; };
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(dev, &free, &total);
+        const double reserve_mib = mc->reserve.count(dev) ? mc->reserve.at(dev) / 1024.0 / 1024.0 : 0.0;
+        double budget = free / 1024.0 / 1024.0 - reserve_mib - floor_mib;
+        if (!is_auto && !estimate && !fits(s, budget)) {
+            // a fixed size the device cannot hold is an error at load, not an allocation failure later
+            int32_t most = 0;
+            for (int32_t c = s - 1; c > 0; --c) {
+                if (fits(c, budget)) {
+                    most = c;
+                    break;
+                }
+            }
+            LLAMA_LOG_ERROR("%s: moe-cache: %d slots/layer need %.1f MiB on %s (%zu layers x (%d slots + %d staging + 1 zero) "
+                    "x %.3f MiB), but it has %.0f MiB free%s and --moe-expert-cache-floor-mb keeps %d MiB free; %s\n",
+                    __func__, s, (s + stage_for(s) + 1) * per_slot, ggml_backend_buft_name(buft), ils.size(), s,
+                    stage_for(s), per_slot / ils.size(), free / 1024.0 / 1024.0,
+                    reserve_mib > 0 ? format(" (%.0f MiB set aside for contexts)", reserve_mib).c_str() : "", floor_mib,
+                    most > 0 ? format("at most %d slots/layer fit (or use auto)", most).c_str()
+                             : "the device is too small for even one slot per layer");
+            return LLAMA_MOE_CACHE_ERR_NO_ROOM;
+        }
         if (is_auto) {
-            ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
-            size_t free = 0, total = 0;
-            ggml_backend_dev_memory(dev, &free, &total);
-            double budget = free / 1024.0 / 1024.0 - floor_mib;
             if (ceil_mib > 0) {
                 budget = std::min(budget, (double) ceil_mib);
             }
-            double per_slot = 0.0; // MiB of one slot in every layer on this device
-            for (int il : ils) {
-                const auto & layer = model->layers[il];
-                per_slot += (layer.ffn_up_exps->nb[2] + layer.ffn_gate_exps->nb[2] + layer.ffn_down_exps->nb[2]) / 1024.0 / 1024.0;
-            }
             s = 0;
             for (int32_t c = n_expert; c > 0; --c) {
-                if ((c + stage_for(c) + 1) * per_slot <= budget) {
+                if (fits(c, budget)) {
                     s = c;
                     break;
                 }
             }
-            LLAMA_LOG("%s: moe-cache: auto on %s: %.0f MiB free - %d MiB floor%s -> %d slots/layer for %zu layers "
-                    "(%.2f MiB per slot of every layer)\n", __func__, ggml_backend_buft_name(buft), free / 1024.0 / 1024.0,
-                    floor_mib, ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", s, ils.size(), per_slot);
+            LLAMA_LOG("%s: moe-cache: auto on %s: %.0f MiB free - %.0f MiB reserved for contexts - %d MiB floor%s -> "
+                    "%d slots/layer for %zu layers (%.2f MiB per slot of every layer)\n", __func__,
+                    ggml_backend_buft_name(buft), free / 1024.0 / 1024.0, reserve_mib, floor_mib,
+                    ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", s, ils.size(), per_slot);
             if (s == 0) {
                 LLAMA_LOG_WARN("%s: moe-cache: WARNING auto resolved to 0 slots on %s: %.1f MiB left after the floor "
                         "(and ceiling) cannot hold one slot per layer plus staging and the zero slot (%.1f MiB); "
@@ -602,8 +659,36 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         ++it;
     }
     if (by_buft.empty()) {
+        if (estimate) {
+            return 0;
+        }
         LLAMA_LOG_WARN("%s: moe-cache: WARNING auto sizing left no device with room for a slot; the cache is OFF\n", __func__);
         return -1;
+    }
+    if (estimate) {
+        // the --fit probe: the slot tensors of each device, in a dummy buffer that the model's memory
+        // breakdown sizes from its context (as for the probe's own weights)
+        for (const auto & [buft, ils] : by_buft) {
+            const int32_t dev_slots = slots_of.at(buft);
+            ggml_init_params params = { ils.size() * (LLAMA_MOE_N_PROJ + 1) * ggml_tensor_overhead(), nullptr, true };
+            ggml_context_ptr ctx { ggml_init(params) };
+            for (int il : ils) {
+                const auto & layer = model->layers[il];
+                for (const ggml_tensor * t : { layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps }) {
+                    ggml_new_tensor_3d(ctx.get(), t->type, t->ne[0], t->ne[1], dev_slots + stage_for(dev_slots) + 1);
+                }
+                ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_expert);
+            }
+            ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, 0);
+            if (buf == nullptr) {
+                return 0;
+            }
+            LLAMA_LOG_INFO("%s: moe-cache: --fit counts %.2f MiB of expert slots in %s\n", __func__,
+                    ggml_backend_alloc_ctx_tensors_from_buft_size(ctx.get(), buft) / 1024.0 / 1024.0,
+                    ggml_backend_buft_name(buft));
+            model->add_owned_buffer(std::move(ctx), ggml_backend_buffer_ptr(buf));
+        }
+        return 0;
     }
     n_slots = 0;
     int32_t n_slots_min = n_expert;
@@ -1076,6 +1161,24 @@ std::string llama_moe_cache_prometheus(const llama_model * model) {
 
 int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t n_inserts) {
     return llama_moe_cache_init_impl(model, n_slots, n_inserts, LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT, 0);
+}
+
+int32_t llama_model_moe_cache_init_budget(llama_model * model, int32_t n_slots, int32_t n_inserts,
+                                          int32_t floor_mib, int32_t ceil_mib) {
+    return llama_moe_cache_init_impl(model, n_slots, n_inserts, floor_mib, ceil_mib);
+}
+
+bool llama_model_moe_cache_reserve(llama_model * model, ggml_backend_dev_t dev, size_t nbytes) {
+    if (model == nullptr || model->moe_cache == nullptr || model->moe_cache->enabled() || dev == nullptr) {
+        return false;
+    }
+    model->moe_cache->reserve[dev] = nbytes;
+    return true;
+}
+
+void llama_moe_cache_fit_request(int32_t n_slots, int32_t n_inserts) {
+    g_llama_moe_fit_slots   = std::max(n_slots, 0);
+    g_llama_moe_fit_inserts = std::max(n_inserts, 0);
 }
 
 int32_t llama_model_moe_cache_init_auto(llama_model * model, int32_t n_inserts, int32_t floor_mib, int32_t ceil_mib) {

@@ -18,6 +18,7 @@
 // uploads are in flight, and the hit/miss sequence is a deterministic function of the routing.
 
 #include "llama.h"
+#include "ggml-backend.h"
 
 #include <cstdint>
 #include <string>
@@ -54,15 +55,36 @@ struct llama_moe_cache_stats {
 };
 
 #define LLAMA_MOE_CACHE_AUTO               (-1)  // n_slots: size each device from its free memory
-#define LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT  1024  // auto: MiB left free on each device
+#define LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT  1024  // MiB the cache leaves free on each device
+#define LLAMA_MOE_CACHE_ERR_NO_ROOM        (-3)  // init: fixed slots do not fit a device (a load error)
 
 // Enables the cache on a loaded model: n_slots slots per host-resident MoE layer, at most
 // n_inserts uploads per layer per decode step (0 = unlimited). Call before creating contexts.
-// n_slots == 0 is a no-op. n_slots > n_expert is clamped (one INFO line).
+// n_slots == 0 is a no-op. n_slots > n_expert is clamped (one INFO line). The slots (+ staging
+// + the zero slot) of each device's layers must fit its free memory (ggml_backend_dev_memory)
+// minus LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT MiB, else LLAMA_MOE_CACHE_ERR_NO_ROOM.
 // Returns the number of cached layers (0 when n_slots == 0 or the model has no MoE layer),
-// or a negative value on error (bad value, no host-resident MoE layer, no GGUF source); every
-// case where a requested cache does not engage is logged as a WARN or ERROR line.
+// or a negative value on error (bad value, no host-resident MoE layer, no GGUF source, no room);
+// every case where a requested cache does not engage is logged as a WARN or ERROR line, and
+// every MoE layer with host experts that is not cached gets a WARN line saying why.
 LLAMA_API int32_t llama_model_moe_cache_init(struct llama_model * model, int32_t n_slots, int32_t n_inserts);
+
+// llama_model_moe_cache_init (n_slots >= 0) or _init_auto (n_slots == LLAMA_MOE_CACHE_AUTO) with an
+// explicit floor (MiB left free on each device, also for fixed slots) and ceiling (auto only).
+LLAMA_API int32_t llama_model_moe_cache_init_budget(struct llama_model * model, int32_t n_slots, int32_t n_inserts,
+                                                    int32_t floor_mib, int32_t ceil_mib);
+
+// Sets aside nbytes of dev's memory ahead of the cache, e.g. the projected KV cache and compute
+// buffers of the contexts to come (common measures them with a no_alloc probe). Call before init;
+// the slots are sized from free - reserve - floor. Returns false without a GGUF-loaded model or
+// once the cache is on.
+LLAMA_API bool llama_model_moe_cache_reserve(struct llama_model * model, ggml_backend_dev_t dev, size_t nbytes);
+
+// For --fit: while n_slots > 0, every memory-estimation (no_alloc) model load counts n_slots
+// fixed slots per cacheable layer in its memory breakdown, so the fitter sees the cache's memory.
+// Process-wide; set it around common_fit_params and back to 0 after. auto is not counted: it
+// takes what is left after fitting.
+LLAMA_API void llama_moe_cache_fit_request(int32_t n_slots, int32_t n_inserts);
 
 // Like llama_model_moe_cache_init, with the slots of each device's layers chosen at load from that
 // device's free memory (ggml_backend_dev_memory) minus floor_mib, capped by ceil_mib (0 = no cap),

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 LLAMA_MOE_CACHE_AUTO = -1
+LLAMA_MOE_CACHE_ERR_NO_ROOM = -3  # llama-moe-cache.h: fixed slots do not fit a device
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # upstream's LLM_FFN_EXPS_REGEX (--cpu-moe)
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
 
@@ -93,6 +94,8 @@ def _llama_lib() -> ctypes.CDLL:
         lib.llama_model_moe_cache_init.restype = ctypes.c_int32
         lib.llama_model_moe_cache_init_auto.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
         lib.llama_model_moe_cache_init_auto.restype = ctypes.c_int32
+        lib.llama_model_moe_cache_init_budget.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 4
+        lib.llama_model_moe_cache_init_budget.restype = ctypes.c_int32
         lib.llama_model_moe_cache_set_slots.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.llama_model_moe_cache_set_slots.restype = ctypes.c_int32
         lib.llama_model_moe_cache_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeCacheStatsC)]
@@ -197,7 +200,8 @@ class Llama(llama_cpp.Llama):
     Args (besides every ``llama_cpp.Llama`` keyword, which passes through):
         moe_expert_cache: slots per host-resident MoE layer (int >= 0), or ``"auto"`` (size each
             device from its free memory minus ``moe_expert_cache_floor_mb``, capped by
-            ``moe_expert_cache_ceil_mb``). 0 = off.
+            ``moe_expert_cache_ceil_mb``). 0 = off. Fixed slots must fit each device's free
+            memory minus the floor (MiB), else ValueError.
         moe_expert_cache_inserts: uploads per layer per decode step (0 = unlimited).
         cpu_moe: keep every MoE expert tensor in host memory (``--cpu-moe``).
         n_cpu_moe: keep the experts of the first N layers in host memory (``--n-cpu-moe``).
@@ -254,8 +258,12 @@ class Llama(llama_cpp.Llama):
                 # the cache belongs to the model: enable it before the context reserves its graphs
                 if slots != 0:
                     lib = _llama_lib()
-                    rc = (lib.llama_model_moe_cache_init_auto(self.model, inserts, floor_mb, ceil_mb)
-                          if slots == LLAMA_MOE_CACHE_AUTO else lib.llama_model_moe_cache_init(self.model, slots, inserts))
+                    rc = lib.llama_model_moe_cache_init_budget(self.model, slots, inserts, floor_mb, ceil_mb)
+                    if rc == LLAMA_MOE_CACHE_ERR_NO_ROOM:
+                        self.close()
+                        raise ValueError(f"moe_expert_cache={moe_expert_cache!r} does not fit the device's free memory "
+                                         f"minus moe_expert_cache_floor_mb={floor_mb} MiB (the engine's log gives the "
+                                         "MiB and the most slots that fit)")
                     if rc <= 0:
                         self.close()
                         raise ValueError(f"moe_expert_cache={moe_expert_cache!r} was requested but the expert cache "

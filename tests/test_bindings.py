@@ -66,3 +66,9 @@ def test_a_cache_that_cannot_engage_raises(model_q8):
     # everything on the CPU: no MoE layer has a device-resident router
     with pytest.raises(ValueError, match="did not engage"):
         bindings.Llama(str(model_q8), n_gpu_layers=0, moe_expert_cache=4, verbose=False)
+
+
+def test_fixed_slots_that_do_not_fit_raise(model_q8, rpc):
+    with pytest.raises(ValueError, match="does not fit the device's free memory"):
+        bindings.Llama(str(model_q8), n_gpu_layers=99, cpu_moe=True, repack=False, rpc_servers=rpc.endpoint,
+                       moe_expert_cache=4, moe_expert_cache_floor_mb=99999999, verbose=False)
