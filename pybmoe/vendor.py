@@ -130,17 +130,35 @@ def fetch_sdist(pin: Upstream, cache_dir: Path) -> Path:
         except HashMismatchError:
             dst.unlink()
     with tempfile.TemporaryDirectory(prefix="pybmoe-dl-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-               "--no-build-isolation", "--disable-pip-version-check", "-d", tmp,
-               f"{pin.name}=={pin.version}"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        got = Path(tmp) / pin.filename
-        if r.returncode != 0 or not got.is_file():
-            raise VendorError(f"could not download {pin.name}=={pin.version} with pip:\n"
-                              f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        got = download_sdist(pin.name, pin.version, Path(tmp))
+        if got.name != pin.filename:
+            raise VendorError(f"pip downloaded {got.name}, the pin names {pin.filename}")
         verify_sdist(got, pin)
         shutil.move(str(got), dst)
     return dst
+
+
+def download_sdist(name: str, version: str, dest: Path) -> Path:
+    """Download the sdist of ``name==version`` into the directory ``dest`` with pip; return its path.
+
+    Nothing is verified here (a version that is not pinned has no known sha256): the caller
+    checks or reports the digest. Uses ``pip download --no-binary :all: --no-deps
+    --no-build-isolation``.
+
+    Raises:
+        VendorError: pip failed, or did not produce exactly one ``.tar.gz``.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    before = set(dest.iterdir())
+    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+           "--no-build-isolation", "--disable-pip-version-check", "-d", str(dest),
+           f"{name}=={version}"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    new = [p for p in set(dest.iterdir()) - before if p.name.endswith(".tar.gz")]
+    if r.returncode != 0 or len(new) != 1:
+        raise VendorError(f"could not download the sdist of {name}=={version} with pip:\n"
+                          f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    return new[0]
 
 
 def _git(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
