@@ -68,7 +68,7 @@ from gguf import GGUFValueType as VT
 #: the cache file name of :func:`default_model_path`.
 GENERATOR_VERSION = 1
 
-ARCHES = ("qwen3moe",)
+ARCHES = ("qwen3moe", "qwen3")  # qwen3: dense (no experts), for the cache's non-MoE path
 FTYPES = ("F16", "Q8_0", "Q4_K")
 
 _QTYPE = {"F16": QT.F16, "Q8_0": QT.Q8_0, "Q4_K": QT.Q4_K}
@@ -502,6 +502,15 @@ def tensor_plan(spec: ModelSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...
             (p + "attn_q_norm.weight", (spec.head_dim,), QT.F32),
             (p + "attn_k_norm.weight", (spec.head_dim,), QT.F32),
             (p + "ffn_norm.weight", (E,), QT.F32),
+        ]
+        if spec.arch == "qwen3":  # dense FFN of n_ff_exp
+            plan += [
+                (p + "ffn_gate.weight", (E, F), q),
+                (p + "ffn_up.weight", (E, F), q),
+                (p + "ffn_down.weight", (F, E), _fit(q, F)),
+            ]
+            continue
+        plan += [
             (p + "ffn_gate_inp.weight", (E, X), QT.F32),
             (p + "ffn_gate_exps.weight", (E, F, X), q),
             (p + "ffn_up_exps.weight", (E, F, X), q),
@@ -539,10 +548,13 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, *, vocab_path: str | o
         w.add_context_length(spec.n_ctx_train)
         w.add_embedding_length(spec.n_embd)
         w.add_block_count(spec.n_layer)
-        w.add_feed_forward_length(spec.n_ff_exp * spec.n_expert_used)
-        w.add_expert_feed_forward_length(spec.n_ff_exp)
-        w.add_expert_count(spec.n_expert)
-        w.add_expert_used_count(spec.n_expert_used)
+        if spec.arch == "qwen3":
+            w.add_feed_forward_length(spec.n_ff_exp)
+        else:
+            w.add_feed_forward_length(spec.n_ff_exp * spec.n_expert_used)
+            w.add_expert_feed_forward_length(spec.n_ff_exp)
+            w.add_expert_count(spec.n_expert)
+            w.add_expert_used_count(spec.n_expert_used)
         w.add_head_count(spec.n_head)
         w.add_head_count_kv(spec.n_head_kv)
         w.add_key_length(spec.head_dim)

@@ -121,3 +121,17 @@ def test_two_devices_each_sized_and_exact(model_q8, rpc2, tmp_path):
     assert on_bin.read_bytes() == off_bin.read_bytes()
     s = engine.parse_cache_summaries(on)[-1]
     assert s.hit_pct > 0
+
+
+def test_a_dense_model_is_inert_with_one_info_line(rpc, tmp_path):
+    dense = models.make_model(tmp_path / "dense.gguf", arch="qwen3", n_layer=2)
+    with pytest.raises(ValueError, match="not a MoE model"):
+        models.read_spec(dense)
+    r, off, off_bin = _logits(dense, rpc.endpoint, tmp_path, ["--fit", "off"], name="off.bin")
+    assert r.returncode == 0, off[-2000:]
+    r, on, on_bin = _logits(dense, rpc.endpoint, tmp_path, ["--fit", "off", "-v", "--moe-expert-cache", "8"], name="on.bin")
+    assert r.returncode == 0, on[-2000:]
+    assert on.count("model has no MoE layers; --moe-expert-cache is inert") == 1
+    assert " W " not in "\n".join(l for l in on.splitlines() if "moe-cache" in l)
+    assert engine.parse_cache_preamble(on) is None and engine.parse_cache_summaries(on) == []
+    assert on_bin.read_bytes() == off_bin.read_bytes()
