@@ -135,3 +135,12 @@ def test_a_dense_model_is_inert_with_one_info_line(rpc, tmp_path):
     assert " W " not in "\n".join(l for l in on.splitlines() if "moe-cache" in l)
     assert engine.parse_cache_preamble(on) is None and engine.parse_cache_summaries(on) == []
     assert on_bin.read_bytes() == off_bin.read_bytes()
+
+
+def test_a_fitter_that_gives_up_is_reported(model_q8, rpc, tmp_path):
+    r, log, _ = _logits(model_q8, rpc.endpoint, tmp_path,
+                        ["--fit", "on", "--fit-target", "99999999", "--moe-expert-cache", "8"], n_predict=4)
+    assert r.returncode == 0, log[-2000:]
+    assert "failed to fit params to free device memory" in log
+    assert "moe-cache: --fit gave up (see above), so it did not account for the expert cache" in log
+    assert engine.cache_record(log)["slots"] == 8  # sized without it, and on
