@@ -699,6 +699,7 @@ _USAGE = """pybmoe trace: routing trace formats.
     pybmoe trace convert IN -o OUT.{csv,parquet}   read any trace, write the canonical form
     pybmoe trace IN -o OUT                         the same (shorthand)
     pybmoe trace stats IN [--phase decode]         locality statistics
+    pybmoe trace synth --from IN --steps N --out OUT   a long synthetic trace with IN's reuse
 
 IN is an engine CSV (--moe-trace), Parquet, the granite routing JSON or a JSONL route log.
 Run a subcommand with --help for its options.
@@ -752,7 +753,7 @@ def _stats(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``pybmoe trace {convert,stats} ...``; returns the exit status."""
+    """``pybmoe trace {convert,stats,synth} ...``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_USAGE)
@@ -761,6 +762,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stats(argv[1:])
     if argv[0] == "convert":
         return _convert(argv[1:])
+    if argv[0] == "synth":
+        from .synth import main as synth_main
+        return synth_main(argv[1:])
     return _convert(argv)
 
 
