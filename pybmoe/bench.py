@@ -43,7 +43,8 @@ Outputs, in the output folder:
 ``avg_ts`` kept, or NaN when it failed) rather than reported as a slow point:
 allocation errors in its log (``cudaMalloc failed``, ``failed to allocate``, ``out of
 memory``, a backend ``falling back to`` another allocator), the cache's own refusals
-(``moe-cache: cannot allocate ...``, ``auto resolved to 0 slots``, ``auto sizing left no
+(``moe-cache: cannot allocate ...``, ``N slots/layer need X MiB on DEV ... free``,
+``auto resolved to 0 slots``, ``auto sizing left no
 device``), or device buffers (model + KV + compute + cache, parsed from the load log) above the
 free memory the device reported at load minus ``floor_mib``.
 
@@ -84,7 +85,8 @@ POINT_KEYS = BASE_KEYS + ("slots", "inserts")
 # Log lines that mean the configuration did not fit on the device (see the module docstring).
 _OVERFLOW = re.compile(
     r"(cudaMalloc failed[^\n]*|failed to allocate[^\n]*|out of memory[^\n]*|ErrorOutOfDeviceMemory[^\n]*"
-    r"|falling back to [^\n]*|moe-cache: cannot allocate[^\n]*|moe-cache: WARNING auto resolved to 0 slots[^\n]*"
+    r"|falling back to [^\n]*|moe-cache: cannot allocate[^\n]*|moe-cache: \d+ slots/layer need [^\n]*"
+    r"|moe-cache: WARNING auto resolved to 0 slots[^\n]*"
     r"|moe-cache: WARNING auto sizing left no device[^\n]*)", re.I)
 _DEV_FREE = re.compile(r"using device (\S+) \(.*?\).*? - (\d+) MiB free")
 _BUF = re.compile(r"(?:load_tensors|llama_kv_cache|sched_reserve):\s+(\S+)\s+(?:model|KV|compute) buffer size =\s+"

@@ -91,6 +91,9 @@ def test_overflow_reason_lines():
         "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9000.00 MiB on device 0: cudaMalloc failed: "
         "out of memory\n")
     assert bench.overflow_reason("moe-cache: WARNING auto resolved to 0 slots on CUDA0: 10.0 MiB left\n")
+    assert "need" in bench.overflow_reason(
+        "llama_moe_cache_init: moe-cache: 96 slots/layer need 4100.0 MiB on CUDA0 (28 layers x (96 slots + 2 staging "
+        "+ 1 zero) x 1.479 MiB), but it has 3000 MiB free and --moe-expert-cache-floor-mb keeps 1024 MiB free\n")
     # ... while experts placed on the host by -ncmoe are the normal case
     assert bench.overflow_reason(
         "done_getting_tensors: tensor 'blk.0.ffn_gate_exps.weight' (q8_0) (and 11 others) cannot be used with "
