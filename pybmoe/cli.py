@@ -1,7 +1,7 @@
 """``pybmoe`` command line: a thin layer over importable functions.
 
     pybmoe vendor            fetch, verify, unpack and patch the pinned upstream
-    pybmoe patches ...       list | check | export the patch series
+    pybmoe patches ...       list | check | export | rebase the patch series
     pybmoe make-model OUT    write a tiny deterministic real-architecture MoE GGUF (--like NAME: a real shape)
     pybmoe serve ARGS...     exec the patched llama-server (every upstream flag passes through)
     pybmoe demo              cache off vs on on the embedded model, with a loopback RPC device

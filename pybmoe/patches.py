@@ -316,6 +316,11 @@ def rebase_continue(tree: Path, *, log=print) -> RebaseResult:
             if r.returncode != 0:
                 raise vendor.VendorError(f"git am --continue failed in {tree}; resolve the conflicts "
                                          f"and `git add` them first:\n{(r.stdout + r.stderr).strip()[-2000:]}")
+        n = int(vendor._git(tree, "rev-list", "--count", f"{vendor.BASE_TAG}..HEAD").stdout.strip())
+        if n != len(done):
+            raise vendor.VendorError(f"{tree} has {n} patch commit(s) on its base, expected {len(done)}: "
+                                     f"{done[-1]['patch']} was not committed (git am --abort or --skip?); "
+                                     "start over with `pybmoe patches rebase --onto ... --force`")
         done[-1] = {"patch": done[-1]["patch"], "status": FUZZY, "detail": "conflicts resolved by hand"}
         sf.write_text(json.dumps(state, indent=1))
     elif _am_in_progress(tree):
