@@ -164,6 +164,23 @@ struct llama_moe_cache {
         return trace_file != nullptr;
     }
 
+    // route replay (--moe-route-replay): every MoE layer takes its selected experts from a trace
+    std::vector<int32_t>     rp_ids;        // [n_tok][n_layer][n_used], filled for every MoE layer
+    std::vector<int32_t>     rp_tensor_of_il; // model layer -> index into rp_tensors, -1 when not replayed
+    std::vector<ggml_tensor *> rp_tensors;  // I32 [n_used, rp_cap] per replayed layer: the next rp_cap tokens
+    ggml_context_ptr         rp_ctx;
+    ggml_backend_buffer_ptr  rp_buf;
+    int64_t  rp_n_tok   = 0;
+    int64_t  rp_cap     = 0;
+    int32_t  rp_n_layer = 0;
+    int32_t  rp_n_used  = 0;
+    uint64_t rp_cursor  = 0; // tokens replayed so far (the next token is rp_cursor % rp_n_tok)
+    std::string rp_path;
+
+    bool replaying() const {
+        return rp_n_tok > 0;
+    }
+
     void trace_push(std::string && rows) {
         {
             std::lock_guard<std::mutex> lock(trace_mutex);
@@ -865,14 +882,15 @@ bool llama_model_moe_cache_get_layer_stats(const llama_model * model, int32_t il
 
 const llama_moe_cache * llama_moe_cache_active(const llama_model & model) {
     const llama_moe_cache * mc = model.moe_cache;
-    return mc && (mc->enabled() || mc->tracing()) ? mc : nullptr;
+    return mc && (mc->enabled() || mc->tracing() || mc->replaying()) ? mc : nullptr;
 }
 
 uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc) {
     if (mc == nullptr) {
         return 0;
     }
-    return 16u * (uint32_t) (mc->enabled() ? mc->layers.size() : 0) + 4u * (uint32_t) mc->tlayers.size();
+    return 16u * (uint32_t) (mc->enabled() ? mc->layers.size() : 0) + 4u * (uint32_t) mc->tlayers.size() +
+            2u * (uint32_t) mc->rp_tensors.size();
 }
 
 // trace: copy the selected ids of every MoE layer into a host tensor (runs on the CPU)
@@ -1014,17 +1032,70 @@ static void llama_moe_trace_rows(llama_moe_cache & mc, const llama_ubatch & ub) 
     mc.trace_token += ub.n_tokens;
 }
 
+// the replay buffers hold the next rp_cap tokens of the trace, from rp_cursor on (wrapping)
+static void llama_moe_replay_fill(llama_moe_cache & mc) {
+    const int64_t row = (int64_t) mc.rp_n_layer * mc.rp_n_used;
+    for (int32_t il = 0; il < (int32_t) mc.rp_tensor_of_il.size(); ++il) {
+        if (mc.rp_tensor_of_il[il] < 0) {
+            continue;
+        }
+        int32_t * dst = (int32_t *) mc.rp_tensors[mc.rp_tensor_of_il[il]]->data;
+        for (int64_t t = 0; t < mc.rp_cap; ++t) {
+            const int64_t tok = (int64_t) ((mc.rp_cursor + t) % (uint64_t) mc.rp_n_tok);
+            memcpy(dst + t * mc.rp_n_used, mc.rp_ids.data() + tok * row + (int64_t) il * mc.rp_n_used,
+                    mc.rp_n_used * sizeof(int32_t));
+        }
+    }
+}
+
+static void llama_moe_replay_advance(llama_moe_cache & mc, int64_t n_tokens) {
+    // warn when this ubatch used a token of a later pass than the one before it did
+    const uint64_t n = (uint64_t) mc.rp_n_tok;
+    const uint64_t pass_before = mc.rp_cursor == 0 ? 0 : (mc.rp_cursor - 1) / n;
+    mc.rp_cursor += n_tokens;
+    if (n_tokens > 0 && (mc.rp_cursor - 1) / n > pass_before) {
+        LLAMA_LOG_WARN("%s: moe-route-replay: WARNING the trace %s ran out after %lld tokens; wrapping to its start "
+                "(pass %llu)\n", __func__, mc.rp_path.c_str(), (long long) mc.rp_n_tok,
+                (unsigned long long) ((mc.rp_cursor - 1) / n) + 1);
+    }
+    llama_moe_replay_fill(mc);
+}
+
+ggml_tensor * llama_moe_route_replay_ids(const llama_moe_cache * mc, ggml_context * ctx, ggml_tensor * selected,
+                                         int il, int64_t n_ubatch) {
+    if (mc == nullptr || !mc->replaying() || il < 0 || il >= (int) mc->rp_tensor_of_il.size() ||
+        mc->rp_tensor_of_il[il] < 0) {
+        return selected;
+    }
+    const int64_t n_rows = selected->ne[1];
+    if (selected->ne[0] != mc->rp_n_used || n_ubatch > mc->rp_cap || n_rows > n_ubatch) {
+        llama_moe_log_once("replay-cap", "WARNING route replay skips graphs of more than %lld tokens (the ubatch it "
+                "was opened with) or of another top-k; those use the router's own routing", (long long) mc->rp_cap);
+        return selected;
+    }
+    ggml_tensor * t = mc->rp_tensors[mc->rp_tensor_of_il[il]];
+    // a layer that computes fewer rows than the ubatch (the last one computes only the outputs) takes
+    // the ubatch's last tokens, as the trace writer records it for the usual single output
+    ggml_tensor * ids = ggml_view_2d(ctx, t, mc->rp_n_used, n_rows, t->nb[1], (size_t) (n_ubatch - n_rows) * t->nb[1]);
+    ggml_format_name(ids, "blk.%d.ffn_moe_topk_replay", il);
+    return ids;
+}
+
 void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch * ubatch) {
     llama_moe_cache * mc = model.moe_cache;
     if (mc == nullptr) {
         return;
     }
     mc->n_busy--;
-    if (ubatch == nullptr || !(mc->enabled() || mc->tracing())) {
+    if (ubatch == nullptr || !(mc->enabled() || mc->tracing() || mc->replaying())) {
         return; // the graph failed, or nothing to do
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
     ggml_backend_sched_synchronize(sched); // no graph in flight from here on
+
+    if (mc->replaying()) {
+        llama_moe_replay_advance(*mc, ubatch->n_tokens);
+    }
 
     if (mc->enabled()) {
         llama_moe_account(*mc);
@@ -1130,6 +1201,139 @@ int32_t llama_model_moe_trace_open(llama_model * model, const char * path, int32
     mc->trace_writer = std::thread([mc] { mc->trace_writer_main(); });
     LLAMA_LOG_INFO("%s: moe-trace: writing the routing of %zu MoE layers to %s\n", __func__, ils.size(), path);
     return (int32_t) ils.size();
+}
+
+int32_t llama_model_moe_route_replay_open(llama_model * model, const char * path, int32_t n_ubatch) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (path == nullptr || path[0] == '\0') {
+        return 0;
+    }
+    if (mc == nullptr) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: the model was not loaded from a GGUF path\n", __func__);
+        return -1;
+    }
+    if (mc->replaying()) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: already replaying %s\n", __func__, mc->rp_path.c_str());
+        return -1;
+    }
+    if (n_ubatch <= 0) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: n_ubatch must be > 0, got %d\n", __func__, n_ubatch);
+        return -1;
+    }
+    const auto & hp = model->hparams;
+    const int32_t n_layer  = (int32_t) model->layers.size();
+    const int32_t n_expert = (int32_t) hp.n_expert;
+    const int32_t n_used   = (int32_t) hp.n_expert_used();
+    std::vector<bool> is_moe(n_layer, false);
+    int n_moe = 0;
+    for (int il = 0; il < n_layer; ++il) {
+        const auto & layer = model->layers[il];
+        is_moe[il] = layer.ffn_gate_inp && (layer.ffn_up_exps || layer.ffn_gate_up_exps);
+        n_moe += is_moe[il];
+    }
+    if (n_moe == 0) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: the model has no MoE layers to replay %s into\n", __func__, path);
+        return -1;
+    }
+    FILE * f = fopen(path, "rb");
+    if (f == nullptr) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: cannot read %s\n", __func__, path);
+        return -1;
+    }
+    // rows: workload,phase,ubatch,token,layer,rank,expert,hit (what --moe-trace writes); a token is a
+    // (workload, token) pair, in the order of first appearance
+    std::map<std::pair<std::string, long long>, int64_t> tok_of;
+    std::vector<int32_t> ids; // [n_tok][n_layer][n_used], -1 = not in the trace
+    const int64_t row = (int64_t) n_layer * n_used;
+    char line[512];
+    long long lineno = 0;
+    std::string err;
+    while (fgets(line, sizeof(line), f)) {
+        lineno++;
+        if (line[0] == '#' || line[0] == '\n' || strncmp(line, "workload,", 9) == 0) {
+            continue;
+        }
+        char workload[256], phase[32];
+        long long ub, tok;
+        int layer, rank, expert, hit;
+        if (sscanf(line, "%255[^,],%31[^,],%lld,%lld,%d,%d,%d,%d", workload, phase, &ub, &tok, &layer, &rank, &expert, &hit) != 8) {
+            err = format("line %lld is not a trace row (workload,phase,ubatch,token,layer,rank,expert,hit)", lineno);
+            break;
+        }
+        if (layer < 0 || layer >= n_layer || !is_moe[layer]) {
+            err = format("line %lld: layer %d is not a MoE layer of this model (%d layers)", lineno, layer, n_layer);
+            break;
+        }
+        if (rank < 0 || rank >= n_used) {
+            err = format("line %lld: rank %d, but the model's top-k is %d; the trace is of another shape", lineno, rank, n_used);
+            break;
+        }
+        if (expert < 0 || expert >= n_expert) {
+            err = format("line %lld: expert %d, but the model has %d experts per layer", lineno, expert, n_expert);
+            break;
+        }
+        auto [it, fresh] = tok_of.try_emplace({ workload, tok }, (int64_t) tok_of.size());
+        if (fresh) {
+            ids.resize(ids.size() + row, -1);
+        }
+        ids[it->second * row + (int64_t) layer * n_used + rank] = expert;
+    }
+    fclose(f);
+    if (err.empty() && tok_of.empty()) {
+        err = "no trace rows";
+    }
+    if (!err.empty()) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: %s: %s\n", __func__, path, err.c_str());
+        return -1;
+    }
+    // a (token, layer) the trace lacks (a layer that computed only the outputs) repeats the layer's
+    // previous token, or experts 0..k-1 at the start: those rows are not computed when the batching matches
+    const int64_t n_tok = (int64_t) tok_of.size();
+    int64_t n_filled = 0;
+    for (int64_t t = 0; t < n_tok; ++t) {
+        for (int il = 0; il < n_layer; ++il) {
+            if (!is_moe[il]) {
+                continue;
+            }
+            int32_t * dst = ids.data() + t * row + (int64_t) il * n_used;
+            bool complete = true;
+            for (int k = 0; k < n_used; ++k) {
+                complete = complete && dst[k] >= 0;
+            }
+            if (!complete) {
+                n_filled++;
+                for (int k = 0; k < n_used; ++k) {
+                    dst[k] = t > 0 ? dst[k - row] : k;
+                }
+            }
+        }
+    }
+
+    ggml_init_params params = { (size_t) n_moe * ggml_tensor_overhead() + 1, nullptr, true };
+    mc->rp_ctx.reset(ggml_init(params));
+    mc->rp_tensor_of_il.assign(n_layer, -1);
+    for (int il = 0; il < n_layer; ++il) {
+        if (is_moe[il]) {
+            ggml_tensor * t = ggml_new_tensor_2d(mc->rp_ctx.get(), GGML_TYPE_I32, n_used, n_ubatch);
+            ggml_format_name(t, "blk.%d.ffn_moe_replay", il);
+            mc->rp_tensor_of_il[il] = (int32_t) mc->rp_tensors.size();
+            mc->rp_tensors.push_back(t);
+        }
+    }
+    mc->rp_buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(mc->rp_ctx.get(), ggml_backend_cpu_buffer_type()));
+    GGML_ASSERT(mc->rp_buf);
+    mc->rp_ids     = std::move(ids);
+    mc->rp_n_layer = n_layer;
+    mc->rp_n_used  = n_used;
+    mc->rp_cap     = n_ubatch;
+    mc->rp_path    = path;
+    mc->rp_cursor  = 0;
+    mc->rp_n_tok   = n_tok;
+    llama_moe_replay_fill(*mc);
+    LLAMA_LOG("%s: moe-route-replay: %d MoE layers take their experts from %s (%lld tokens, %lld layer rows "
+            "filled from the previous token); the routing weights stay the router's\n", __func__, n_moe, path,
+            (long long) n_tok, (long long) n_filled);
+    return n_moe;
 }
 
 std::string llama_moe_cache_prometheus(const llama_model * model) {

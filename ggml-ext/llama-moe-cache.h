@@ -110,6 +110,15 @@ LLAMA_API bool llama_model_moe_cache_get_stats(const struct llama_model * model,
 // Returns the number of traced layers, or a negative value on error.
 LLAMA_API int32_t llama_model_moe_trace_open(struct llama_model * model, const char * path, int32_t n_ubatch);
 
+// Route replay: every MoE layer takes its selected experts from a routing trace (the CSV that
+// llama_model_moe_trace_open writes) instead of its router's top-k; the routing weights stay the
+// router's own, gathered at the replayed ids. The trace steps token by token, a token being a
+// (workload, token) pair in file order; when it runs out it wraps, with a WARN line. The trace's
+// layers must be MoE layers of the model, its ranks < top-k and its experts < n_expert.
+// n_ubatch: the largest ubatch the contexts will run (tokens). Call before creating contexts.
+// Returns the number of replayed layers, or a negative value on error (logged).
+LLAMA_API int32_t llama_model_moe_route_replay_open(struct llama_model * model, const char * path, int32_t n_ubatch);
+
 // Per-layer lookups. il is the model layer index. Returns false when layer il is not cached.
 LLAMA_API bool llama_model_moe_cache_get_layer_stats(const struct llama_model * model, int32_t il,
                                                      uint64_t * hits, uint64_t * misses);
@@ -155,6 +164,11 @@ struct llama_moe_cache_ffn_desc {
     bool     weight_before;   // weights applied before the FFN (llama4)
     bool     has_lora;
 };
+
+// --moe-route-replay: the ids this layer uses instead of `selected` (I32 [n_expert_used, n_rows]);
+// `selected` itself when the layer is not replayed. n_ubatch: tokens in the graph's ubatch.
+ggml_tensor * llama_moe_route_replay_ids(const llama_moe_cache * mc, ggml_context * ctx, ggml_tensor * selected,
+                                         int il, int64_t n_ubatch);
 
 // the cache layer that serves this FFN, or nullptr (the stock graph is built; the reason is logged once);
 // also adds the trace node when tracing
