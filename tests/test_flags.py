@@ -38,6 +38,7 @@ def test_flags_are_documented(binary):
     r = _run(binary, ["--help"])
     assert "--moe-expert-cache" in r.stdout + r.stderr
     assert "--moe-expert-cache-inserts" in r.stdout + r.stderr
+    assert "--moe-route-replay" in r.stdout + r.stderr
 
 
 def test_python_side_validates():
