@@ -1286,6 +1286,19 @@ int32_t llama_model_moe_route_replay_open(llama_model * model, const char * path
         LLAMA_LOG_ERROR("%s: moe-route-replay: %s: %s\n", __func__, path, err.c_str());
         return -1;
     }
+    for (int il = 0; il < n_layer && err.empty(); ++il) {
+        bool any = false;
+        for (int64_t t = 0; is_moe[il] && !any && t < (int64_t) tok_of.size(); ++t) {
+            any = ids[t * row + (int64_t) il * n_used] >= 0;
+        }
+        if (is_moe[il] && !any) {
+            err = format("MoE layer %d has no rows; the trace is of another shape (the model has %d MoE layers)", il, n_moe);
+        }
+    }
+    if (!err.empty()) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: %s: %s\n", __func__, path, err.c_str());
+        return -1;
+    }
     // a (token, layer) the trace lacks (a layer that computed only the outputs) repeats the layer's
     // previous token, or experts 0..k-1 at the start: those rows are not computed when the batching matches
     const int64_t n_tok = (int64_t) tok_of.size();

@@ -623,17 +623,27 @@ def cache_dir() -> Path:
     return Path(base) / "pybmoe" / "models"
 
 
-def default_model_path(ftype: str = "Q8_0") -> Path:
-    """The default-shape model for ``ftype``, generated into :func:`cache_dir` on first use.
+def cached_model_path(spec: ModelSpec) -> Path:
+    """The model of ``spec``, generated into :func:`cache_dir` on first use.
 
     The name carries the spec and :data:`GENERATOR_VERSION`, so a changed
-    generator writes a new file. Raises :class:`ValueError` for an unknown ftype.
+    generator writes a new file.
     """
-    spec = ModelSpec(ftype=ftype)
     path = cache_dir() / f"pybmoe-{spec.name}-g{GENERATOR_VERSION}.gguf"
     if not path.is_file():
         write_model(spec, path)
     return path
+
+
+def default_model_path(ftype: str = "Q8_0") -> Path:
+    """The default-shape model for ``ftype`` (see :func:`cached_model_path`).
+    Raises :class:`ValueError` for an unknown ftype."""
+    return cached_model_path(ModelSpec(ftype=ftype))
+
+
+#: The granite-3.0-1b-a400m routing shape (24 MoE layers, 32 experts, top-8; the bundled trace in
+#: ``pybmoe/data``) at the tiny default widths: the cache sees the real layer/expert/top-k shape.
+GRANITE_TRACE_SPEC = ModelSpec(n_layer=24, n_expert=32, n_expert_used=8)
 
 
 # --------------------------------------------------------------------------- CLI

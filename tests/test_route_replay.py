@@ -89,6 +89,7 @@ def test_a_short_trace_wraps_with_one_warning(model_q8, rpc, tmp_path):
     ("engine,decode,0,0,0,7,1,-1\n", "rank 7, but the model's top-k is 4"),
     ("engine,decode,0,0,0,0,16,-1\n", "expert 16, but the model has 16 experts"),
     ("engine,decode,0,0,9,0,1,-1\n", "layer 9 is not a MoE layer"),
+    ("engine,decode,0,0,0,0,1,-1\n", "MoE layer 1 has no rows; the trace is of another shape"),
     ("not,a,trace\n", "line 2 is not a trace row"),
     ("", "no trace rows"),
 ])
