@@ -33,6 +33,37 @@ block (a change of topic), and the prefill: the output has decode rows only. A s
 workload has no cold starts after its first tokens, so its hit rate at large slot counts is
 above that of the source's short workloads, which pay about 6% compulsory misses (granite).
 
+**Another model's shape** (``n_layer`` / ``n_expert`` / ``top_k``, CLI ``--n-layer L
+--n-expert E --top-k K``): route replay needs a trace of the replaying model's own shape, and the
+real traces at hand come from small models (granite: 24 layers, 32 experts, top-8). The shape
+map writes a trace for ``L`` MoE layers (indices ``0 .. L-1``) of ``E`` experts:
+
+- target layer ``i`` is sampled from source layer ``i mod L_src`` (in the source's layer order),
+  each target layer independently, with its own random **relabelling** of the experts;
+- every finite stack distance ``d`` becomes ``floor((d + u) * s)``, ``u`` uniform in [0, 1),
+  with ``s = distance_scale`` (default ``E / E_src``), bumped up where needed so that a token's
+  ``k`` depths stay distinct; the stack depths that gate the block jumps scale likewise, and a
+  cold lookup stays cold;
+- the popularity of the fresh draws spreads each source expert's share evenly over ``s`` target
+  experts (``E / E_src`` of them in general), in the layer's relabelled order;
+- ``top_k`` (default the source's) may be smaller than the source's ``k``: the source is first
+  cut to its ranks ``< top_k``, which, ranks being router order (rank 0 the strongest), is what a
+  top-``top_k`` router would have picked; a larger ``top_k`` is refused (the source has no rows
+  for the extra ranks), as is ``top_k > E``.
+
+What the map **preserves**: each layer's LRU hit-rate curve as a function of the *fraction* of
+the experts cached: an LRU of ``c·s`` slots hits a mapped lookup exactly when one of ``c`` slots
+hit the source lookup, up to the upload lag and the fresh draws (``tests/test_synth.py`` checks
+that ``E_src/2 · s`` slots on the mapped trace track ``E_src/2`` on the source per layer); the
+cold share, the shape of the popularity skew, and the top-``k`` structure. What it **invents**:
+the absolute scale of reuse (the assumption that a model with ``s`` times the experts at the
+same top-k has a working set ``s`` times larger: the real ratio is not known without a trace of
+the real model; ``distance_scale=1`` keeps the source's absolute distances instead); the
+consecutive-token overlap (a reuse from the previous token, distance ``< k``, is spread over the
+previous ``s`` tokens or so, so the mapped trace leans less on the upload lag than the source);
+every layer beyond ``L_src`` repeats a source layer's statistics (sampled independently: no
+cross-layer correlation, as for the plain synthesis); expert identities.
+
 The output is an ordinary trace (:class:`pybmoe.trace.Trace`): ``workloads`` workloads of
 ``steps`` tokens each (default one, ``synth``), each token its own ubatch, ``hit`` = -1, each
 workload from an empty stack. Written as the engine's ``--moe-trace`` CSV (or Parquet), so
@@ -193,8 +224,35 @@ def _sample_layer(m: LayerModel, steps: int, k: int, rng: np.random.Generator, b
     return out
 
 
+def map_layer(m: LayerModel, k: int, n_expert: int, scale: float, rng: np.random.Generator) -> LayerModel:
+    """``m`` mapped onto a layer of ``n_expert`` experts with stack distances scaled by ``scale``
+    (see the module docstring, "Another model's shape"). ``k`` is the top-k of ``m``'s tokens."""
+    d = m.step_distances.astype(np.float64)
+    warm = d != COLD
+    u = rng.random(d.shape)
+    nd = np.where(warm, np.floor((d + u) * scale), COLD).astype(np.int64)
+    # keep a token's depths distinct: walk its warm depths in ascending order, each at least one
+    # more than the previous
+    order = np.argsort(np.where(warm, nd, np.iinfo(np.int64).max), axis=1, kind="stable")
+    rows = np.arange(len(nd))[:, None]
+    srt = nd[rows, order]
+    wsrt = warm[rows, order]
+    for j in range(1, k):
+        bump = wsrt[:, j] & wsrt[:, j - 1] & (srt[:, j] <= srt[:, j - 1])
+        srt[bump, j] = srt[bump, j - 1] + 1
+    nd[rows, order] = srt
+    n_src = len(m.popularity)
+    src_of = (np.arange(n_expert) * n_src) // n_expert         # target expert -> source expert
+    share = m.popularity[src_of] / np.bincount(src_of, minlength=n_src)[src_of]
+    pop = share[rng.permutation(n_expert)]
+    depth = np.floor(m.step_depth * scale).astype(np.int64)
+    return LayerModel(m.layer, nd.ravel(), nd, depth, m.step_next, pop / pop.sum())
+
+
 def synthesize(source: tr.Trace, steps: int, *, seed: int = 0, workloads: int = 1, name: str = "synth",
-               phase: str = "decode", block: float = 16.0) -> tr.Trace:
+               phase: str = "decode", block: float = 16.0, n_layer: int | None = None,
+               n_expert: int | None = None, top_k: int | None = None,
+               distance_scale: float | None = None) -> tr.Trace:
     """A synthetic decode trace of ``workloads`` × ``steps`` tokens with ``source``'s per-layer
     reuse (see the module docstring for what is and is not preserved).
 
@@ -202,34 +260,72 @@ def synthesize(source: tr.Trace, steps: int, *, seed: int = 0, workloads: int = 
     (same arguments, same trace), workloads named ``name`` (one) or ``name-0``, ``name-1``, ...;
     ``block``: mean tokens per run of consecutive source tokens (>= 1; 1 = every token drawn
     independently).
-    Raises :class:`ValueError` for ``steps`` or ``workloads`` < 1 or a source without rows of
-    ``phase``.
+    ``n_layer``, ``n_expert``, ``top_k``, ``distance_scale``: write the trace for another model's
+    shape (module docstring, "Another model's shape"); each defaults to the source's (the scale
+    to ``n_expert / n_expert_src``). Without any of them the output is the plain synthesis.
+    Raises :class:`ValueError` for ``steps`` or ``workloads`` < 1, a source without rows of
+    ``phase``, ``top_k`` above the source's or above ``n_expert``, ``n_layer`` or ``n_expert``
+    out of range, or ``distance_scale`` <= 0.
     """
     for label, v in (("steps", steps), ("workloads", workloads)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{label}={v!r} must be an integer >= 1")
     if not block >= 1:
         raise ValueError(f"block={block!r} must be >= 1 (mean tokens per run of source tokens)")
+    mapped = any(v is not None for v in (n_layer, n_expert, top_k, distance_scale))
     k = source.meta.n_expert_used
+    src_experts = source.meta.n_expert
+    if mapped:
+        n_expert = src_experts if n_expert is None else n_expert
+        top_k = k if top_k is None else top_k
+        for label, v, lo, hi in (("n_layer", n_layer, 1, 512), ("n_expert", n_expert, 2, 1024),
+                                 ("top_k", top_k, 1, min(k, n_expert))):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+                why = (f" (the source's top-k is {k}: it has no rows for more ranks)" if label == "top_k" and v > k
+                       else "")
+                raise ValueError(f"{label}={v!r} is out of range{why}; accepted: {lo} .. {hi}")
+        if distance_scale is None:
+            distance_scale = n_expert / src_experts
+        if not distance_scale > 0:
+            raise ValueError(f"distance_scale={distance_scale!r} must be > 0")
+        if top_k < k:
+            f = source.frame
+            source = tr.from_frame(f[f["rank"] < top_k].reset_index(drop=True),
+                                   tr.TraceMeta(source.meta.n_layer, src_experts, top_k), source.source)
+            k = top_k
     fitted = fit(source, phase=phase)
     rng = np.random.default_rng(seed)
+    if mapped:
+        n_out = len(fitted) if n_layer is None else n_layer
+        fitted = [map_layer(fitted[i % len(fitted)], k, n_expert, distance_scale, rng) for i in range(n_out)]
+        layer_ids = np.arange(n_out)
+    else:
+        layer_ids = np.array([m.layer for m in fitted])
     frames = []
     for w in range(workloads):
         wname = name if workloads == 1 else f"{name}-{w}"
         per_layer = [_sample_layer(m, steps, k, rng, block) for m in fitted]
         e = np.stack(per_layer, axis=1)                              # [steps, layers, k]
         tok, li, rnk = np.meshgrid(np.arange(steps), np.arange(len(fitted)), np.arange(k), indexing="ij")
-        layers = np.array([m.layer for m in fitted])
+        layers = layer_ids
         frames.append(pd.DataFrame({"workload": wname, "phase": "decode", "ubatch": tok.ravel(),
                                     "token": tok.ravel(), "layer": layers[li.ravel()], "rank": rnk.ravel(),
                                     "expert": e.ravel(), "hit": -1}))
-    meta = tr.TraceMeta(source.meta.n_layer, source.meta.n_expert, k,
-                        extra={"synth_from": Path(source.source).name or "trace", "synth_seed": str(seed)})
+    extra = {"synth_from": Path(source.source).name or "trace", "synth_seed": str(seed)}
+    if mapped:
+        extra.update(synth_map_from=f"L{source.meta.n_layer}xE{src_experts}xK{source.meta.n_expert_used}",
+                     synth_distance_scale=f"{distance_scale:g}")
+        meta = tr.TraceMeta(int(layer_ids.max()) + 1, n_expert, k, extra=extra)
+    else:
+        meta = tr.TraceMeta(source.meta.n_layer, source.meta.n_expert, k, extra=extra)
     return tr.from_frame(pd.concat(frames, ignore_index=True), meta, f"synth({source.source})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``pybmoe trace synth --from TRACE --steps N [--seed S] [--workloads W] --out FILE``."""
+    """``pybmoe trace synth --from TRACE --steps N [--seed S] [--workloads W] [--n-layer L --n-expert E
+    --top-k K --distance-scale S] --out FILE``."""
     ap = argparse.ArgumentParser(prog="pybmoe trace synth",
                                  description="Generate a long decode routing trace that resamples a short real "
                                              "trace's per-layer LRU stack distances and expert popularity.")
@@ -238,11 +334,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="RNG seed (default %(default)s)")
     ap.add_argument("--workloads", type=int, default=1, help="workloads, each from an empty stack (default 1)")
     ap.add_argument("--block", type=float, default=16.0, help="mean run of consecutive source tokens (default 16)")
+    ap.add_argument("--n-layer", type=int, default=None,
+                    help="map onto L MoE layers (0..L-1); layer i resamples source layer i mod L_src")
+    ap.add_argument("--n-expert", type=int, default=None,
+                    help="map onto E experts per layer (stack distances scaled by E/E_src, experts relabelled)")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="experts per token, at most the source's (its first ranks are kept; default the source's)")
+    ap.add_argument("--distance-scale", type=float, default=None,
+                    help="scale of the stack distances when mapping (default E/E_src; 1 keeps them)")
     ap.add_argument("--out", type=Path, required=True, help="output .csv (the --moe-trace format) or .parquet")
     a = ap.parse_args(argv)
     try:
         src = tr.read_trace(a.source)
-        out = synthesize(src, a.steps, seed=a.seed, workloads=a.workloads, block=a.block)
+        out = synthesize(src, a.steps, seed=a.seed, workloads=a.workloads, block=a.block, n_layer=a.n_layer,
+                         n_expert=a.n_expert, top_k=a.top_k, distance_scale=a.distance_scale)
         path = tr.write_trace(out, a.out)
     except (OSError, ValueError) as e:
         print(f"pybmoe trace synth: error: {e}", file=sys.stderr)

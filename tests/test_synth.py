@@ -107,3 +107,70 @@ def test_bad_arguments(granite):
         synth.synthesize(granite, 10, block=0.5)
     with pytest.raises(ValueError, match="no decode rows"):
         synth.synthesize(granite.select("prefill"), 10)
+
+
+# --- the shape map: a trace for another model's shape (route replay on a synthetic big model) ---
+
+BUNDLED = REPO / "pybmoe" / "data" / "granite-3.0-1b-a400m-routing.json"
+
+
+@pytest.fixture(scope="module")
+def bundled() -> tr.Trace:
+    return tr.read_trace(BUNDLED)
+
+
+def test_map_writes_the_target_shape(bundled, tmp_path):
+    m = synth.synthesize(bundled, 40, seed=2, n_layer=48, n_expert=128)
+    f = m.frame
+    assert sorted(f["layer"].unique()) == list(range(48))
+    assert f["expert"].between(0, 127).all() and f["rank"].between(0, 7).all()
+    g = f.groupby(["token", "layer"])["expert"]
+    assert (g.nunique() == 8).all() and (g.size() == 8).all()
+    # layers that share a source layer are relabelled independently
+    assert not f[f.layer == 0]["expert"].equals(f[f.layer == 24]["expert"].reset_index(drop=True))
+    # every expert id can occur (the relabelling covers all 128)
+    assert f["expert"].nunique() > 120
+    out = tr.write_trace(m, tmp_path / "m.csv")
+    head = out.read_text().splitlines()[0]
+    assert head.startswith("# pybmoe-trace v1 n_layer=48 n_expert=128 n_expert_used=8")
+    assert "synth_map_from=L24xE32xK8" in head and "synth_distance_scale=4" in head
+    # the map is deterministic per seed
+    pd.testing.assert_frame_equal(f, synth.synthesize(bundled, 40, seed=2, n_layer=48, n_expert=128).frame)
+
+
+def test_map_keeps_the_curve_at_the_same_fraction_of_experts(bundled):
+    """E_src/2 = 16 of 32 slots on granite against 64 of 128 on the mapped trace (and 8 -> 32,
+    24 -> 96). Long workloads on both synthetic sides: a mapped workload must fill a stack 4x as
+    deep, so short ones pay 4x the cold misses (docs/traces.md)."""
+    plain = synth.synthesize(bundled, 1024, seed=1, workloads=2)
+    mapped = synth.synthesize(bundled, 1024, seed=1, workloads=2, n_layer=48, n_expert=128)
+    src_of = np.arange(48) % 24
+    for s in (8, 16, 24):
+        src_l, src_all = per_layer_hit_pct(bundled, s)
+        p_l, p_all = per_layer_hit_pct(plain, s)
+        m_l, m_all = per_layer_hit_pct(mapped, 4 * s)
+        assert abs(m_all - p_all) < 2.0, (s, p_all, m_all)
+        assert abs(m_all - src_all) < 5.0, (s, src_all, m_all)
+        d = m_l.to_numpy() - p_l.to_numpy()[src_of]
+        assert float(np.abs(d).mean()) < 3.0 and float(np.abs(d).max()) < 12.0, (s, d)
+        # and per layer, roughly the source's own curve
+        assert float(np.abs(m_l.to_numpy() - src_l.to_numpy()[src_of]).mean()) < 5.0, s
+
+
+def test_map_top_k_and_errors(bundled, tmp_path, capsys):
+    m = synth.synthesize(bundled, 20, seed=0, n_layer=6, n_expert=64, top_k=4)
+    assert m.meta.n_expert_used == 4 and m.frame["rank"].max() == 3 and m.meta.n_layer == 6
+    assert (m.frame.groupby(["token", "layer"])["expert"].nunique() == 4).all()
+    with pytest.raises(ValueError, match="no rows for more ranks"):
+        synth.synthesize(bundled, 10, top_k=10)
+    with pytest.raises(ValueError, match="top_k=8 is out of range"):
+        synth.synthesize(bundled, 10, n_expert=4)
+    with pytest.raises(ValueError, match="distance_scale"):
+        synth.synthesize(bundled, 10, n_expert=64, distance_scale=0)
+    out = tmp_path / "cli.csv"
+    assert cli.main(["trace", "synth", "--from", str(BUNDLED), "--steps", "16", "--n-layer", "30", "--n-expert", "96",
+                     "--out", str(out)]) == 0
+    t = tr.read_trace(out)
+    assert (t.meta.n_layer, t.meta.n_expert, t.meta.n_expert_used) == (30, 96, 8)
+    assert "30 layers, 96 experts, top-8" in capsys.readouterr().out
+    assert cli.main(["trace", "synth", "--from", str(BUNDLED), "--steps", "16", "--top-k", "9", "--out", str(out)]) == 2
