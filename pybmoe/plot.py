@@ -133,3 +133,53 @@ def sweep_plot(runs: pd.DataFrame, path: str | os.PathLike, *, title: str = "") 
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def device_bench_plot(df: pd.DataFrame, path: str | os.PathLike, *, title: str = "") -> Path:
+    """Write a PNG of one mode of ``tools/device-bench.sh`` (:mod:`pybmoe.devbench`): measured tok/s
+    per point (bars, ± llama-bench's standard deviation) with the bandwidth model's bound drawn as a
+    black tick on each bar (top), and the cache's hit rate (bottom).
+
+    ``df`` holds the rows of one mode of ``device-bench.csv`` (columns ``point``, ``avg_ts``,
+    ``stddev_ts``, ``model_ts``, ``hit_pct``, ``placement``, ``overflow``), in the order to draw.
+    Overflowed points are drawn red. Returns the path; raises :class:`ValueError` for an empty frame.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if len(df) == 0:
+        raise ValueError("nothing to plot: the frame has no rows; accepted: the rows of one mode of device-bench.csv")
+    x = np.arange(len(df))
+    colors = {"host": "C7", "cache": "C0", "vram": "C2"}
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 6), dpi=120, sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    ts = df["avg_ts"].to_numpy(dtype=float)
+    err = df["stddev_ts"].fillna(0).to_numpy(dtype=float)
+    col = ["red" if bool(o) else colors.get(p, "C1") for p, o in zip(df["placement"], df["overflow"])]
+    ax.bar(x, np.nan_to_num(ts), yerr=err, color=col, capsize=3, width=0.6)
+    for xi, v in zip(x, ts):
+        if np.isfinite(v):
+            ax.annotate(f"{v:.1f}", xy=(xi, v), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+    bound = df["model_ts"].to_numpy(dtype=float)
+    ax.scatter(x, bound, marker="_", s=900, color="black", linewidths=2, zorder=5,
+               label="bandwidth model (upper bound on tok/s)")
+    top = np.nanmax(np.concatenate([np.nan_to_num(ts + err), np.where(np.isfinite(bound), bound, 0)]))
+    ax.set_ylim(0, max(top, 1e-9) * 1.15)
+    ax.set_ylabel("tok/s")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    hit = df["hit_pct"].to_numpy(dtype=float)
+    bx.bar(x, np.nan_to_num(hit), color=[colors.get(p, "C1") for p in df["placement"]], width=0.6)
+    bx.set_ylim(0, 100)
+    bx.set_ylabel("hit rate (%)")
+    bx.grid(True, axis="y", alpha=0.3)
+    bx.set_xticks(x)
+    bx.set_xticklabels(df["point"].tolist(), rotation=20, fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

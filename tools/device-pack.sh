@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Prepares what tools/device-check.sh needs on the device machine, which cannot reach any network:
-#   build/device/llama-src.tar.xz   the patched llama.cpp tree (no model files)
-#   build/device/tiny-moe.gguf      a tiny qwen3moe (GPT-2 vocab, to stay small)
+# Prepares what tools/device-check.sh and tools/device-bench.sh need on the device machine, which
+# cannot reach any network:
+#   build/device/llama-src.tar.xz        the patched llama.cpp tree (no model files)
+#   build/device/tiny-moe.gguf           a tiny qwen3moe (GPT-2 vocab, to stay small)
+#   build/device/ggml-vocab-qwen2.gguf   the vocab device-bench.sh's synthetic model embeds
+#   build/device/bench-trace.csv.xz      device-bench.sh's route-replay trace: the granite trace mapped
+#                                        onto the benchmark shape (pybmoe trace synth)
 # Then run it there with carry ["build/device"] (64 MiB in all), e.g.
 #   run(command="tools/device-check.sh", carry=["build/device"], timeout_s=600)
 set -euo pipefail
@@ -13,4 +17,10 @@ tar -C "$(dirname "$LLAMA")" -cJf build/device/llama-src.tar.xz \
     --exclude='llama.cpp/tools/ui/*.gz' "$(basename "$LLAMA")"
 python3 -m pybmoe.cli make-model build/device/tiny-moe.gguf --ftype Q8_0 \
     --vocab "$LLAMA/models/ggml-vocab-gpt-2.gguf"
+cp "$LLAMA/models/ggml-vocab-qwen2.gguf" build/device/
+eval "$(tools/device-bench.sh --shape)"
+python3 -m pybmoe.cli trace synth --from pybmoe/data/granite-3.0-1b-a400m-routing.json --steps "$BENCH_TRACE_STEPS" \
+    --seed 0 --n-layer "$BENCH_LAYERS" --n-expert "$BENCH_EXPERTS" --top-k "$BENCH_TOP_K" --out build/device/bench-trace.csv
+xz -f -T0 build/device/bench-trace.csv
 du -sh build/device/*
+du -sh build/device
