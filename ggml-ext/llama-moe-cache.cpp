@@ -602,10 +602,11 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         return -1;
     }
 
-    // staging slots: a step can miss at most n_used * max_batch distinct experts, and never more
-    // than the experts that are not resident
+    // staging slots: the uploads one step can start; top-k unless the insert cap asks for more (a step
+    // of max_batch tokens misses at most n_used * max_batch distinct experts), never more than the
+    // experts that are not resident
     auto stage_for = [&](int32_t slots) {
-        return std::min({ n_inserts > 0 ? n_inserts : n_used * mc->max_batch, n_used * mc->max_batch, n_expert - slots });
+        return std::min({ n_inserts > 0 ? n_inserts : n_used, n_used * mc->max_batch, n_expert - slots });
     };
 
     // slots per device: fixed, or (auto) the most that fit the device's free memory minus the floor,
@@ -828,9 +829,9 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
     for (const auto & l : mc->layers) {
         cycle_mib += (double) l.expert_bytes() * std::min(l.n_used, l.n_expert) / 1024.0 / 1024.0;
     }
-    LLAMA_LOG("moe-cache-preamble: layers=%zu n_expert=%d top_k=%d slots=%d staging=%d inserts=%d slot_mib=%.4f "
-            "budget_mib=%s cache_cycle_mb=%.2f layer_cycle_slots=%d\n", mc->layers.size(), n_expert, n_used, n_slots,
-            l0.n_stage, n_inserts, l0.expert_bytes()/1024.0/1024.0, budgets.c_str(), cycle_mib, n_used);
+    LLAMA_LOG("moe-cache-preamble: layers=%zu n_expert=%d top_k=%d slots=%d staging=%d inserts=%d max_batch=%d "
+            "slot_mib=%.4f budget_mib=%s cache_cycle_mb=%.2f layer_cycle_slots=%d\n", mc->layers.size(), n_expert, n_used,
+            n_slots, l0.n_stage, n_inserts, mc->max_batch, l0.expert_bytes()/1024.0/1024.0, budgets.c_str(), cycle_mib, n_used);
     if (n_slots_min < n_used) {
         // the cliff guard: state the fact, once, at load
         LLAMA_LOG_WARN("%s: moe-cache: WARNING %d slots/layer is below the per-layer token cycle of %d slots at "
@@ -960,7 +961,9 @@ ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, 
     }
 
     // device chain: the same projections over the slots; misses read the zero slot
-    ggml_tensor * slot_ids = ggml_get_rows(ctx, l->dev_table, selected); // [1, n_used, n_tokens]
+    // get_rows gathers per token from a table per token: repeat the one table over the ubatch's tokens
+    ggml_tensor * table = n_tokens == 1 ? l->dev_table : ggml_repeat_4d(ctx, l->dev_table, 1, l->n_expert, n_tokens, 1);
+    ggml_tensor * slot_ids = ggml_get_rows(ctx, table, selected); // [1, n_used, n_tokens]
     slot_ids = ggml_reshape_2d(ctx, slot_ids, n_used, n_tokens);
     ggml_format_name(slot_ids, "ffn_moe_cache_slots-%d", l->il);
 
@@ -1176,8 +1179,8 @@ int32_t llama_model_moe_trace_open(llama_model * model, const char * path, int32
         return -1;
     }
     const int32_t n_used = (int32_t) hp.n_expert_used();
-    fprintf(f, "# pybmoe-trace v1 n_layer=%d n_expert=%d n_expert_used=%d slots=%d inserts=%d\n",
-            (int) model->layers.size(), (int) hp.n_expert, n_used, mc->n_slots, mc->n_inserts);
+    fprintf(f, "# pybmoe-trace v1 n_layer=%d n_expert=%d n_expert_used=%d slots=%d inserts=%d max_batch=%d\n",
+            (int) model->layers.size(), (int) hp.n_expert, n_used, mc->n_slots, mc->n_inserts, mc->max_batch);
     fprintf(f, "workload,phase,ubatch,token,layer,rank,expert,hit\n");
 
     ggml_init_params params = { ils.size() * ggml_tensor_overhead() + 1, nullptr, true };
@@ -1378,6 +1381,17 @@ std::string llama_moe_cache_prometheus(const llama_model * model) {
 
 int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t n_inserts) {
     return llama_moe_cache_init_impl(model, n_slots, n_inserts, LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT, 0);
+}
+
+int32_t llama_model_moe_cache_set_max_batch(llama_model * model, int32_t n_tokens) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || mc->enabled() || mc->tracing() || n_tokens < 1 || n_tokens > LLAMA_MOE_CACHE_MAX_BATCH_LIMIT) {
+        LLAMA_LOG_ERROR("%s: moe-cache: max batch %d refused: it must be 1 .. %d, set on a GGUF-loaded model before the "
+                "cache or the trace is opened\n", __func__, n_tokens, LLAMA_MOE_CACHE_MAX_BATCH_LIMIT);
+        return -1;
+    }
+    mc->max_batch = n_tokens;
+    return n_tokens;
 }
 
 int32_t llama_model_moe_cache_init_budget(llama_model * model, int32_t n_slots, int32_t n_inserts,

@@ -57,6 +57,7 @@ struct llama_moe_cache_stats {
 #define LLAMA_MOE_CACHE_AUTO               (-1)  // n_slots: size each device from its free memory
 #define LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT  1024  // MiB the cache leaves free on each device
 #define LLAMA_MOE_CACHE_ERR_NO_ROOM        (-3)  // init: fixed slots do not fit a device (a load error)
+#define LLAMA_MOE_CACHE_MAX_BATCH_LIMIT    4096  // the largest ubatch the cache may be asked to serve
 
 // Enables the cache on a loaded model: n_slots slots per host-resident MoE layer, at most
 // n_inserts uploads per layer per decode step (0 = unlimited). Call before creating contexts.
@@ -68,6 +69,14 @@ struct llama_moe_cache_stats {
 // every case where a requested cache does not engage is logged as a WARN or ERROR line, and
 // every MoE layer with host experts that is not cached gets a WARN line saying why.
 LLAMA_API int32_t llama_model_moe_cache_init(struct llama_model * model, int32_t n_slots, int32_t n_inserts);
+
+// The largest ubatch (tokens) the cache serves, 1 .. LLAMA_MOE_CACHE_MAX_BATCH_LIMIT (default 1: decode
+// only). Larger ubatches run the stock graph. Small batches are speculative verify batches
+// ((1 + draft max) tokens per sequence) and parallel decoding; each step of up to n_tokens tokens
+// is one LRU step, and starts at most top-k uploads, or the insert cap when set (at most top-k x
+// n_tokens). Call before init and before
+// llama_model_moe_trace_open. Returns n_tokens, or -1 (logged).
+LLAMA_API int32_t llama_model_moe_cache_set_max_batch(struct llama_model * model, int32_t n_tokens);
 
 // llama_model_moe_cache_init (n_slots >= 0) or _init_auto (n_slots == LLAMA_MOE_CACHE_AUTO) with an
 // explicit floor (MiB left free on each device, also for fixed slots) and ceiling (auto only).

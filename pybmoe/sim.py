@@ -488,9 +488,10 @@ def prepare(trace: tr.Trace | Replay) -> Replay:
 # --------------------------------------------------------------------------- budgets
 
 def staging_slots(slots: int, n_expert: int, top_k: int, inserts: int = 0, max_batch: int = 1) -> int:
-    """The engine's staging slots per layer: ``min(inserts or k*T, k*T, n_expert - slots)``, T = max_batch."""
+    """The engine's staging slots per layer: ``min(inserts or k, k*T, n_expert - slots)``, T = max_batch
+    (a step of T tokens uploads at most k experts unless the insert cap asks for more)."""
     kt = top_k * max_batch
-    return max(0, min(inserts if inserts > 0 else kt, kt, n_expert - slots))
+    return max(0, min(inserts if inserts > 0 else top_k, kt, n_expert - slots))
 
 
 def token_cycle(n_layer: int, top_k: int, n_expert: int | None = None) -> int:
@@ -807,10 +808,12 @@ def misses_per_token(trace: tr.Trace | Replay, slots_per_layer: Sequence[int], b
 # --------------------------------------------------------------------------- the engine check
 
 def engine_replay(trace: tr.Trace | Replay, *, slots_per_layer: int | None = None, inserts: int | None = None,
-                  max_batch: int = 1, backend: str = "auto") -> SimResult:
+                  max_batch: int | None = None, backend: str = "auto") -> SimResult:
     """The layer-lru replay of an engine trace with the engine's own settings (the header's
-    ``slots`` and ``inserts`` unless given). Raises :class:`BudgetError` when the slots are unknown."""
+    ``slots``, ``inserts`` and ``max_batch`` unless given). Raises :class:`BudgetError` when the slots are unknown."""
     rp = prepare(trace)
+    if max_batch is None:  # the engine writes max_batch= in the trace header
+        max_batch = int(rp.trace.meta.extra.get("max_batch", 1))
     slots = slots_per_layer if slots_per_layer is not None else rp.trace.meta.slots
     if slots is None:
         raise BudgetError("the trace header has no slots= (captured without the cache?); accepted: slots_per_layer=N")
@@ -886,7 +889,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--phase", choices=tr.PHASE_CHOICES, default="decode", help="lookups counted (default %(default)s)")
     ap.add_argument("--inserts", type=int, default=None,
                     help="layer-lru upload cap per layer per step, 0 = unlimited (default: the trace header's, else 0)")
-    ap.add_argument("--max-batch", type=int, default=1, help="largest ubatch the engine cache serves (default 1)")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="largest ubatch (tokens) the engine cache serves (default: the trace header's max_batch, else 1)")
     ap.add_argument("--workload", default=None, help="replay only this workload")
     ap.add_argument("--csv", action="store_true", help="print tidy CSV: one row per workload, policy and budget")
     ap.add_argument("-o", "--output", type=Path, default=None, help="also write the tidy CSV here")
@@ -931,7 +935,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             expert_bytes = gguf_expert_bytes(a.model)[0]
         policies = _parse_policies(a.policy)
         df = sweep(rp, policies, [(kind, v) for v in values], phase=a.phase, inserts=a.inserts,
-                   max_batch=a.max_batch, expert_bytes=expert_bytes, backend=a.backend,
+                   max_batch=a.max_batch or int(t.meta.extra.get("max_batch", 1)), expert_bytes=expert_bytes,
+                   backend=a.backend,
                    progress=False if a.no_progress else None)
     except (OSError, ValueError) as e:
         print(f"pybmoe simulate: error: {e}", file=err)

@@ -393,7 +393,11 @@ def test_staging_slots_formula():
     assert sim.staging_slots(8, 32, 8, inserts=2) == 2
     assert sim.staging_slots(30, 32, 8) == 2
     assert sim.staging_slots(32, 32, 8) == 0
-    assert sim.staging_slots(8, 64, 8, max_batch=4) == 32
+    # a step of 4 tokens starts top-k uploads, or up to the insert cap (at most k x 4)
+    assert sim.staging_slots(8, 64, 8, max_batch=4) == 8
+    assert sim.staging_slots(8, 64, 8, inserts=20, max_batch=4) == 20
+    assert sim.staging_slots(8, 64, 8, inserts=50, max_batch=4) == 32
+    assert sim.staging_slots(8, 64, 8, inserts=20, max_batch=1) == 8
 
 
 # --------------------------------------------------------------------------- the engine check
