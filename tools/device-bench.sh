@@ -112,7 +112,10 @@ else
 fi
 WRITE_THREADS=$(( $(nproc) > 4 ? 4 : $(nproc) ))
 t_model=$(date +%s)
-( "$BIN/pybmoe-make-synth" "$MODEL" --vocab "$VOCAB" --n-layer $L --n-expert $E --top-k $K --n-embd $D \
+REUSE=""
+# BENCH_KEEP_MODEL=1 keeps the model for a second run on the same machine, which then reuses it
+[ "${BENCH_KEEP_MODEL:-0}" = 1 ] && [ -f "$MODEL" ] && [ "$(stat -c %s "$MODEL")" = "${SIZE:-x}" ] && REUSE=--dry-run
+( "$BIN/pybmoe-make-synth" "$MODEL" $REUSE --vocab "$VOCAB" --n-layer $L --n-expert $E --top-k $K --n-embd $D \
       --n-ff-exp $F --n-head $H --n-head-kv $HKV --head-dim $HD --type $TYPE --threads $WRITE_THREADS \
       > "$OUT/synth.txt" 2> "$OUT/synth.log"
   echo "shape: n_layer=$L n_expert=$E top_k=$K n_embd=$D n_ff_exp=$F type=$TYPE" >> "$OUT/synth.txt" ) &

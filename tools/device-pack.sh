@@ -21,6 +21,6 @@ cp "$LLAMA/models/ggml-vocab-qwen2.gguf" build/device/
 eval "$(tools/device-bench.sh --shape)"
 python3 -m pybmoe.cli trace synth --from pybmoe/data/granite-3.0-1b-a400m-routing.json --steps "$BENCH_TRACE_STEPS" \
     --seed 0 --n-layer "$BENCH_LAYERS" --n-expert "$BENCH_EXPERTS" --top-k "$BENCH_TOP_K" --out build/device/bench-trace.csv
-xz -f -T0 build/device/bench-trace.csv
+xz -1 -f -T0 build/device/bench-trace.csv   # about 5 MB; the carry limit is 64 MiB in all
 du -sh build/device/*
 du -sh build/device
