@@ -10,6 +10,7 @@
     pybmoe simulate TRACE    replay expert-cache policies over a routing trace
     pybmoe size -m MODEL     recommend cache slots per layer (from a trace if given)
     pybmoe sweep -m MODEL    benchmark sweep of the cache with llama-bench (CSV + PNG)
+    pybmoe backend-ops       test-backend-ops' duplicate-expert-id MUL_MAT_ID cases, per backend
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ _MODULES = {
     "simulate": "sim",
     "size": "sizing",
     "sweep": "bench",
+    "backend-ops": "backend_ops",
 }
 
 

@@ -1,0 +1,31 @@
+"""Duplicate expert ids: test-backend-ops' dup cases through `pybmoe backend-ops`, and the parser."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from pybmoe import backend_ops
+
+
+def test_dup_cases_pass_on_every_backend_of_the_build():
+    r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "backend-ops"], capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "backend CPU" in r.stdout
+    for t in ("f16", "bf16", "q8_0", "q4_0", "q4_K", "q6_K"):
+        row = next(l for l in r.stdout.splitlines() if l.split()[:1] == [t])
+        assert row.split()[1:3] == ["16", "0"], row  # 8 token counts x 2 modes, none failed
+    assert "96 passed, 0 failed" in r.stdout
+
+
+def test_a_failure_is_reported_and_fails_the_run():
+    out = ("Backend 1/2: CUDA0\n"
+           "  MUL_MAT_ID(type_a=q4_K,type_b=f32,n_mats=16,n_used=8,b=0,m=128,n=7,k=256,amax=1.000000,m_v=0,dup=pair): "
+           "\x1b[1;31mFAIL\x1b[0m\n"
+           "  MUL_MAT_ID(type_a=q4_K,type_b=f32,n_mats=16,n_used=8,b=0,m=128,n=8,k=256,amax=1.000000,m_v=0,dup=pair): "
+           "\x1b[1;32mOK\x1b[0m\n"
+           "  MUL_MAT_ID(type_a=f16,type_b=f32,n_mats=4,n_used=4,b=0,m=512,n=1,k=256,amax=1.000000,m_v=0): OK\n")
+    res = backend_ops.parse(out)
+    assert [(r.backend, r.type_a, r.n, r.dup, r.result) for r in res] == [
+        ("CUDA0", "q4_K", 7, "pair", "FAIL"), ("CUDA0", "q4_K", 8, "pair", "OK")]  # non-dup cases are not counted
+    t = backend_ops.table(res)
+    assert "backend CUDA0" in t and "7/pair" in t
