@@ -5,7 +5,8 @@
 #
 # 1. builds the CUDA backend (sm_90, FlashAttention kernels off to save build time) from the
 #    carried patched tree, with pybmoe's ggml-ext;
-# 2. test-backend-ops on CUDA0 for MUL_MAT_ID (the op of the cache's device chain), and the
+# 2. test-backend-ops on CUDA0 for MUL_MAT_ID (the op of the cache's device chain) including the
+#    duplicate-expert-id cases (-p dup=, a table per type), and the
 #    skip-table guard (CUDA0 must refuse a MUL_MAT_ID with a skip table);
 # 3. the cache on the GPU: every layer on CUDA0, experts on the host (--cpu-moe); greedy tokens with
 #    the cache at 8 slots must equal cache off (different kernels on the two sides, so the check is
@@ -28,6 +29,11 @@ BIN=build/cuda/bin
 
 timeout 200 "$BIN/test-backend-ops" -b CUDA0 -o MUL_MAT_ID > "$OUT/test-backend-ops.txt" 2>&1
 echo "test-backend-ops MUL_MAT_ID rc=$?: $(grep -E 'tests passed|Backend' "$OUT/test-backend-ops.txt" | tail -2 | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
+# the duplicate-expert-id cases (patch 0010), with a table per type (python3 is there; pybmoe needs no deps for this)
+timeout 200 "$BIN/test-backend-ops" -b CUDA0 -o MUL_MAT_ID -p dup= > "$OUT/test-backend-ops-dup.txt" 2>&1
+echo "dup-id cases rc=$?: $(grep -E 'tests passed' "$OUT/test-backend-ops-dup.txt" | tail -1)" | tee -a "$OUT/summary.txt"
+PYTHONPATH=. python3 -c "import sys; from pybmoe import backend_ops as b; r=b.parse(open(sys.argv[1]).read()); print(b.table(r))" \
+    "$OUT/test-backend-ops-dup.txt" | tee -a "$OUT/summary.txt"
 timeout 60 "$BIN/pybmoe-test-skip" > "$OUT/test-skip.txt" 2>&1
 echo "skip-table test rc=$?: $(tail -1 "$OUT/test-skip.txt") ($(grep 'devices checked' "$OUT/test-skip.txt"))" | tee -a "$OUT/summary.txt"
 
