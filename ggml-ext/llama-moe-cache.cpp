@@ -750,6 +750,8 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
                 l.expert_nbytes[p] = t->nb[2];
                 GGML_ASSERT(l.src[p].nbytes == t->nb[2] * (size_t) n_expert && "expert layout differs from the GGUF");
                 l.slots[p] = ggml_new_tensor_3d(ctx.get(), t->type, t->ne[0], t->ne[1], l.n_phys + 1);
+                // the ".cache" suffix is a contract: backends that transform weights in place on first
+                // use (SYCL's reorder, patch 0011) skip tensors named so, since their slices are rewritten
                 ggml_format_name(l.slots[p], "blk.%d.ffn_%s_exps.cache", il, names[p]);
             }
             l.dev_table = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_expert);

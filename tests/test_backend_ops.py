@@ -29,3 +29,19 @@ def test_a_failure_is_reported_and_fails_the_run():
         ("CUDA0", "q4_K", 7, "pair", "FAIL"), ("CUDA0", "q4_K", 8, "pair", "OK")]  # non-dup cases are not counted
     t = backend_ops.table(res)
     assert "backend CUDA0" in t and "7/pair" in t
+
+
+def test_sycl_reorder_skip_matches_the_slot_names():
+    """SYCL reorders weights in place on first use; patch 0011 skips tensors named "*.cache", which
+    must be exactly the names the cache gives its slots (no SYCL compiler here: a contract check)."""
+    from pathlib import Path
+    import re
+    root = Path(__file__).resolve().parent.parent
+    sycl = next((root / "patches").glob("*ggml-sycl-never-reorder*.patch")).read_text()
+    assert 'strcmp(t->name + n - 6, ".cache") == 0' in sycl
+    assert sycl.count("ggml_sycl_tensor_is_rewritten(src0)") == 2  # MUL_MAT and MUL_MAT_ID entry points
+    ext = (root / "ggml-ext" / "llama-moe-cache.cpp").read_text()
+    slot_names = re.findall(r'ggml_format_name\(l\.slots\[p\], "([^"]+)"', ext)
+    assert slot_names and all(n.endswith(".cache") for n in slot_names)
+    others = re.findall(r'ggml_format_name\([^,]+, "([^"]+)"', ext)
+    assert [n for n in others if n.endswith(".cache")] == slot_names  # nothing else is skipped by accident
