@@ -201,7 +201,8 @@ class Llama(llama_cpp.Llama):
         moe_expert_cache: slots per host-resident MoE layer (int >= 0), or ``"auto"`` (size each
             device from its free memory minus ``moe_expert_cache_floor_mb``, capped by
             ``moe_expert_cache_ceil_mb``). 0 = off. Fixed slots must fit each device's free
-            memory minus the floor (MiB), else ValueError.
+            memory minus the floor (MiB), else ValueError. Unlike ``llama-server``, ``auto`` here
+            does not measure the context's KV and compute memory first: keep the floor above it.
         moe_expert_cache_inserts: uploads per layer per decode step (0 = unlimited).
         cpu_moe: keep every MoE expert tensor in host memory (``--cpu-moe``).
         n_cpu_moe: keep the experts of the first N layers in host memory (``--n-cpu-moe``).
