@@ -145,3 +145,39 @@ def test_runtime_shrink_is_byte_safe(model_q8, rpc, tmp_path):
     # growing back within the allocation works; beyond it is refused
     r = _run_args(model_q8, rpc, tmp_path, ["--moe-expert-cache", "8", "--moe-resize-at", "10:9"], n_predict=16)
     assert "moe-cache-resize -1" in r.stdout and "out of range" in r.stdout + r.stderr
+
+
+def _moe_series(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("llamacpp:moe_cache"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_server_metrics_while_sleeping_keep_the_cache_counters(model_q8, rpc):
+    """A sleeping server frees the model and serves /metrics from a snapshot taken before sleep;
+    the snapshot holds the cache's counters too (found by upstream's test_sleep with the cache on)."""
+    import json
+    import time
+    import urllib.request
+
+    from pybmoe import demo
+    srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 8, 0, ["--metrics", "--sleep-idle-seconds", "1"]))
+    with srv:
+        srv.completion("Hello there", n_predict=8)
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+            awake = _moe_series(r.read().decode())
+        deadline = time.time() + 20
+        while True:
+            with urllib.request.urlopen(srv.url + "/props", timeout=30) as r:
+                if json.loads(r.read()).get("is_sleeping"):
+                    break
+            assert time.time() < deadline, "the server did not go to sleep"
+            time.sleep(0.2)
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+            asleep = _moe_series(r.read().decode())
+    srv.stop()
+    assert awake["llamacpp:moe_cache_hits_total"] + awake["llamacpp:moe_cache_misses_total"] > 0
+    assert asleep == awake
