@@ -602,6 +602,18 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         return -1;
     }
 
+    // Vulkan's MUL_MAT_ID miscomputes duplicate expert ids from 32 tokens on (test-backend-ops dup=pair
+    // cases on lavapipe, docs/backends.md), and every miss of a token maps to the one dummy slot
+    constexpr int32_t vk_max_batch = 16;
+    for (const auto & [buft, ils] : by_buft) {
+        if (mc->max_batch > vk_max_batch && strncmp(ggml_backend_buft_name(buft), "Vulkan", 6) == 0) {
+            LLAMA_LOG_WARN("%s: moe-cache: WARNING %s: Vulkan's MUL_MAT_ID is not exact with duplicate expert ids at 32+ "
+                    "tokens; the cache serves ubatches of at most %d tokens (asked: %d)\n", __func__,
+                    ggml_backend_buft_name(buft), vk_max_batch, mc->max_batch);
+            mc->max_batch = vk_max_batch;
+        }
+    }
+
     // staging slots: the uploads one step can start; top-k unless the insert cap asks for more (a step
     // of max_batch tokens misses at most n_used * max_batch distinct experts), never more than the
     // experts that are not resident
@@ -860,7 +872,10 @@ bool llama_model_moe_cache_get_stats(const llama_model * model, llama_moe_cache_
     out->alloc_bytes   = mc->alloc_bytes;
     out->n_steps       = mc->n_steps;
     out->n_layers      = (int32_t) mc->layers.size();
-    out->n_slots       = mc->n_slots;
+    out->n_slots       = 0; // now: a resize between generations changes it (the allocation stays)
+    for (const auto & l : mc->layers) {
+        out->n_slots = std::max(out->n_slots, l.n_slots);
+    }
     out->n_inserts     = mc->n_inserts;
     out->n_expert      = mc->layers[0].n_expert;
     out->n_expert_used = mc->layers[0].n_used;

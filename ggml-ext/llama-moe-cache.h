@@ -48,7 +48,7 @@ struct llama_moe_cache_stats {
     uint64_t alloc_bytes;     // bytes of all companion tensors (slots + zero slot + tables)
     uint64_t n_steps;         // graphs whose routing the cache observed
     int32_t  n_layers;        // cached layers
-    int32_t  n_slots;         // slots per cached layer (0 = cache off)
+    int32_t  n_slots;         // slots per cached layer now (llama_model_moe_cache_set_slots changes it)
     int32_t  n_inserts;       // upload cap per layer per step (0 = unlimited)
     int32_t  n_expert;        // experts per layer
     int32_t  n_expert_used;   // top-k

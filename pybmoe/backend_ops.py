@@ -21,7 +21,8 @@ from . import engine
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _BACKEND = re.compile(r"^Backend \d+/\d+: (\S+)")
-_CASE = re.compile(r"^\s+MUL_MAT_ID\((?P<params>[^)]*)\): (?P<result>OK|FAIL|not supported)")
+# a failed case is printed after its error on the same line: "[MUL_MAT_ID] ERR = ... MUL_MAT_ID(...): FAIL"
+_CASE = re.compile(r"(?:^|\s)MUL_MAT_ID\((?P<params>[^)]*)\): (?P<result>OK|FAIL|not supported)")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def parse(output: str) -> list[CaseResult]:
         if m:
             backend = m.group(1)
             continue
-        m = _CASE.match(line)
+        m = _CASE.search(line)
         if not m:
             continue
         params = dict(kv.split("=", 1) for kv in m.group("params").split(",") if "=" in kv)

@@ -59,7 +59,8 @@ class MoeCacheStats:
 
     hits / misses: expert lookups served by a slot / computed from host memory; uploads: experts
     copied into slots; upload_mib, resident_mib, allocated_mib: MiB; steps: graphs the cache served;
-    n_slots: slots per layer; n_layers: cached layers.
+    n_slots: slots per layer now (set_moe_cache_slots changes it; allocated_mib stays); n_layers:
+    cached layers.
     """
 
     hits: int

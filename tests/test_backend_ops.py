@@ -19,7 +19,8 @@ def test_dup_cases_pass_on_every_backend_of_the_build():
 
 def test_a_failure_is_reported_and_fails_the_run():
     out = ("Backend 1/2: CUDA0\n"
-           "  MUL_MAT_ID(type_a=q4_K,type_b=f32,n_mats=16,n_used=8,b=0,m=128,n=7,k=256,amax=1.000000,m_v=0,dup=pair): "
+           "[MUL_MAT_ID] ERR = 0.037664017 > 0.000500000   "  # a failed case, as test-backend-ops prints it
+           "MUL_MAT_ID(type_a=q4_K,type_b=f32,n_mats=16,n_used=8,b=0,m=128,n=7,k=256,amax=1.000000,m_v=0,dup=pair): "
            "\x1b[1;31mFAIL\x1b[0m\n"
            "  MUL_MAT_ID(type_a=q4_K,type_b=f32,n_mats=16,n_used=8,b=0,m=128,n=8,k=256,amax=1.000000,m_v=0,dup=pair): "
            "\x1b[1;32mOK\x1b[0m\n"

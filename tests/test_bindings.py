@@ -51,8 +51,10 @@ def test_generation_equals_llama_server_and_stats_are_counted(model_q8, rpc):
         assert st.hits + st.misses == spec.n_layer * spec.n_expert_used * st.steps and st.steps >= n - 1
         assert st.hits > 0 and st.uploads > 0 and st.resident_mib > 0 and 0 < st.hit_rate < 1
         # resize between generations: shrink to nothing, then generation is unchanged
+        assert llm.set_moe_cache_slots(4) == 4 and llm.moe_cache_stats().n_slots == 4
         assert llm.set_moe_cache_slots(0) == 0
-        assert llm.moe_cache_stats().resident_mib == 0.0
+        st0 = llm.moe_cache_stats()
+        assert st0.resident_mib == 0.0 and st0.n_slots == 0 and st0.hits == st.hits  # counters are cumulative
         llm.reset()
         again = llm(PROMPT, max_tokens=n, temperature=0, top_k=1, repeat_penalty=1.0)["choices"][0]["text"]
         assert again == want
