@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# GPU checks for a lent device machine (one NVIDIA GPU, no network), <= 10 minutes.
+# GPU checks on a machine with one NVIDIA GPU and no network, in 10 minutes or less.
 # Prepare here first:  tools/device-pack.sh      (writes build/device/, about 37 MB)
-# Then:                run(command="tools/device-check.sh", carry=["build/device"], timeout_s=600)
+# Then, on the GPU machine with build/device copied along: tools/device-check.sh
 #
 # 1. builds the CUDA backend (sm_90, FlashAttention kernels off to save build time) from the
 #    carried patched tree, with pybmoe's ggml-ext;

@@ -6,8 +6,8 @@
 #   build/device/ggml-vocab-qwen2.gguf   the vocab device-bench.sh's synthetic model embeds
 #   build/device/bench-trace.csv.xz      device-bench.sh's route-replay trace: the granite trace mapped
 #                                        onto the benchmark shape (pybmoe trace synth)
-# Then run it there with carry ["build/device"] (64 MiB in all), e.g.
-#   run(command="tools/device-check.sh", carry=["build/device"], timeout_s=600)
+# Then copy build/device (about 50 MB) to the GPU machine with the checkout and run
+#   tools/device-check.sh   (or tools/device-bench.sh) there, from the checkout's root
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LLAMA=$(python3 -m pybmoe.vendor | tail -n 1)
