@@ -463,9 +463,11 @@ void llama_moe_schedule(llama_moe_cache & mc) {
 // load-time
 //
 
-// the cache --fit's probe loads count (process-wide: the probes load the model themselves)
-static int32_t g_llama_moe_fit_slots   = 0;
-static int32_t g_llama_moe_fit_inserts = 0;
+// the cache --fit's probe loads of the main model count (process-wide: the probes load the model
+// themselves; a draft model's probes, another file, count nothing)
+static std::string g_llama_moe_fit_path;
+static int32_t     g_llama_moe_fit_slots   = 0;
+static int32_t     g_llama_moe_fit_inserts = 0;
 
 static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, int32_t n_inserts,
                                          int32_t floor_mib, int32_t ceil_mib);
@@ -482,7 +484,7 @@ void llama_moe_cache_record_sources(llama_model & model, const llama_model_loade
             mc->sources[name] = { w.idx, w.offs, ggml_nbytes(w.tensor) };
         }
     }
-    if (model.hparams.no_alloc && g_llama_moe_fit_slots > 0) {
+    if (model.hparams.no_alloc && g_llama_moe_fit_slots > 0 && paths[0] == g_llama_moe_fit_path) {
         llama_moe_cache_init_impl(&model, g_llama_moe_fit_slots, g_llama_moe_fit_inserts, 0, 0);
     }
 }
@@ -1424,8 +1426,9 @@ bool llama_model_moe_cache_reserve(llama_model * model, ggml_backend_dev_t dev, 
     return true;
 }
 
-void llama_moe_cache_fit_request(int32_t n_slots, int32_t n_inserts) {
-    g_llama_moe_fit_slots   = std::max(n_slots, 0);
+void llama_moe_cache_fit_request(const char * path_model, int32_t n_slots, int32_t n_inserts) {
+    g_llama_moe_fit_path    = path_model ? path_model : "";
+    g_llama_moe_fit_slots   = path_model ? std::max(n_slots, 0) : 0;
     g_llama_moe_fit_inserts = std::max(n_inserts, 0);
 }
 

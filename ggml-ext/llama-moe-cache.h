@@ -89,11 +89,12 @@ LLAMA_API int32_t llama_model_moe_cache_init_budget(struct llama_model * model, 
 // once the cache is on.
 LLAMA_API bool llama_model_moe_cache_reserve(struct llama_model * model, ggml_backend_dev_t dev, size_t nbytes);
 
-// For --fit: while n_slots > 0, every memory-estimation (no_alloc) model load counts n_slots
-// fixed slots per cacheable layer in its memory breakdown, so the fitter sees the cache's memory.
-// Process-wide; set it around common_fit_params and back to 0 after. auto is not counted: it
+// For --fit: while n_slots > 0, every memory-estimation (no_alloc) load of the model file
+// path_model counts n_slots fixed slots per cacheable layer in its memory breakdown, so the fitter
+// sees the cache's memory (a draft model's probes, another file, count nothing). Process-wide; set
+// it around common_fit_params and clear it after (path_model nullptr). auto is not counted: it
 // takes what is left after fitting.
-LLAMA_API void llama_moe_cache_fit_request(int32_t n_slots, int32_t n_inserts);
+LLAMA_API void llama_moe_cache_fit_request(const char * path_model, int32_t n_slots, int32_t n_inserts);
 
 // Like llama_model_moe_cache_init, with the slots of each device's layers chosen at load from that
 // device's free memory (ggml_backend_dev_memory) minus floor_mib, capped by ceil_mib (0 = no cap),

@@ -113,3 +113,19 @@ def test_speculative_ngram_greedy_output_is_unchanged(model_q8, rpc, tmp_path):
     assert (per_ub.iloc[1:] > 1).any(), "no multi-token verify batch reached the cache"
     bad = sim.compare_with_engine(t, sim.engine_replay(t))
     assert bad.empty, f"{len(bad)} lookups differ"
+
+
+def test_draft_model_speculation_is_unchanged_and_says_the_draft_has_no_cache(model_q8, rpc, tmp_path):
+    """A separate draft model: the target's cache serves the verify batches, the greedy text equals
+    speculation off and the cache off, and the log says the draft model runs without the cache."""
+    draft = models.make_model(tmp_path / "draft.gguf", seed=1)
+    prompt = "one two three one two three one two three"
+    n = 32
+    plain, _ = _serve(model_q8, rpc, 0, [], prompt, n)
+    spec_args = ["-md", str(draft), "-ngld", "0", "--spec-type", "draft-simple", "--spec-draft-n-max", "4"]
+    on, log = _serve(model_q8, rpc, 8, spec_args, prompt, n)
+    assert on["content"] == plain["content"]
+    assert "moe-cache: the draft model runs without the expert cache, trace or route replay" in log
+    assert log.count("MoE layers cached") == 1  # the target's cache only
+    rec = engine.cache_record(log)
+    assert rec["max_batch"] >= 5 and rec["hit_pct"] > 0
