@@ -12,6 +12,26 @@ import numpy as np
 import pandas as pd
 
 
+def _pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, ax, path: str | os.PathLike, title: str, title_size: float) -> Path:
+    """Title ``ax`` (when ``title``), lay ``fig`` out, write it to ``path`` (parents created), close it."""
+    if title:
+        ax.set_title(title, fontsize=title_size)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    _pyplot().close(fig)
+    return path
+
+
 def hit_rate_plot(df: pd.DataFrame, path: str | os.PathLike, *, n_layer: int, top_k: int, n_expert: int,
                   title: str = "") -> Path:
     """Write a PNG of hit rate (%, pooled over workloads) against the budget, one line per policy.
@@ -21,9 +41,7 @@ def hit_rate_plot(df: pd.DataFrame, path: str | os.PathLike, *, n_layer: int, to
     is marked, and the band ``((n_layer - 1) * top_k, cycle)`` where a global LRU goes from 0% to
     its full hit rate is shaded. Returns the path. Raises :class:`ValueError` for an empty frame.
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     from .sim import pooled, token_cycle, zero_hit_entries
 
@@ -51,14 +69,7 @@ def hit_rate_plot(df: pd.DataFrame, path: str | os.PathLike, *, n_layer: int, to
     top = ax.secondary_xaxis("top", functions=(lambda x: x / n_layer, lambda s: s * n_layer))
     top.set_xlabel("slots per layer")
     ax.legend(loc="lower right", fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, title, 10)
 
 
 def sweep_plot(runs: pd.DataFrame, path: str | os.PathLike, *, title: str = "") -> Path:
@@ -73,9 +84,7 @@ def sweep_plot(runs: pd.DataFrame, path: str | os.PathLike, *, title: str = "") 
     red crosses (left out of the medians). Returns the path; raises :class:`ValueError` for an
     empty frame or more than one mode.
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     if len(runs) == 0:
         raise ValueError("nothing to plot: the frame has no rows; accepted: the rows of one mode of sweep.csv")
@@ -125,14 +134,7 @@ def sweep_plot(runs: pd.DataFrame, path: str | os.PathLike, *, title: str = "") 
     bx.set_ylim(0, 100)
     bx.set_xlabel("slots per layer (0 = cache off)")
     bx.grid(True, alpha=0.3)
-    if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, title, 10)
 
 
 def device_bench_plot(df: pd.DataFrame, path: str | os.PathLike, *, title: str = "") -> Path:
@@ -144,9 +146,7 @@ def device_bench_plot(df: pd.DataFrame, path: str | os.PathLike, *, title: str =
     ``stddev_ts``, ``model_ts``, ``hit_pct``, ``placement``, ``overflow``), in the order to draw.
     Overflowed points are drawn red. Returns the path; raises :class:`ValueError` for an empty frame.
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     if len(df) == 0:
         raise ValueError("nothing to plot: the frame has no rows; accepted: the rows of one mode of device-bench.csv")
@@ -175,11 +175,4 @@ def device_bench_plot(df: pd.DataFrame, path: str | os.PathLike, *, title: str =
     bx.grid(True, axis="y", alpha=0.3)
     bx.set_xticks(x)
     bx.set_xticklabels(df["point"].tolist(), rotation=20, fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, title, 9)
