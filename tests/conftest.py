@@ -5,11 +5,14 @@ No test touches the network: models come from pybmoe.models (vocab from the pinn
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from pybmoe import engine, models
+from pybmoe import engine, models, vendor
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +36,33 @@ def rpc():
     """A loopback ggml-rpc-server, the stand-in device, for the whole session."""
     with engine.RpcServer(threads=1) as r:
         yield r
+
+
+@pytest.fixture(scope="session")
+def pin():
+    """The pinned upstream (vendor/upstream.toml)."""
+    return vendor.load_pin(ROOT)
+
+
+@pytest.fixture(scope="session")
+def sdist(pin):
+    """The pinned sdist, fetched once into the pybmoe cache."""
+    return vendor.fetch_sdist(pin, vendor.cache_dir())
+
+
+@pytest.fixture
+def fake_root(tmp_path):
+    """A factory of project roots under tmp_path with our pin and patch series (so vendored and
+    rebase trees land there); ``extra_patch`` appends a patch named 9999-bogus.patch to the series."""
+    def make(extra_patch: str | None = None) -> Path:
+        root = tmp_path / "proj"
+        (root / "vendor").mkdir(parents=True)
+        shutil.copy(ROOT / "vendor" / "upstream.toml", root / "vendor")
+        shutil.copytree(ROOT / "patches", root / "patches")
+        if extra_patch:
+            (root / "patches" / "9999-bogus.patch").write_text(extra_patch)
+            with open(root / "patches" / "series", "a") as f:
+                f.write("9999-bogus.patch\n")
+        return root
+    return make
+

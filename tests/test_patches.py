@@ -5,7 +5,6 @@ import gzip
 import io
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -16,25 +15,6 @@ import pytest
 from pybmoe import patches, vendor
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def pin():
-    return vendor.load_pin(ROOT)
-
-
-@pytest.fixture(scope="module")
-def sdist(pin):
-    return vendor.fetch_sdist(pin, vendor.cache_dir())
-
-
-def _fake_root(tmp: Path) -> Path:
-    """A project root with our pin and series, so rebase trees land under ``tmp``."""
-    root = tmp / "proj"
-    (root / "vendor").mkdir(parents=True)
-    shutil.copy(ROOT / "vendor" / "upstream.toml", root / "vendor")
-    shutil.copytree(ROOT / "patches", root / "patches")
-    return root
 
 
 def _cli(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -112,8 +92,8 @@ def test_check_exits_zero_with_every_patch_clean():
     assert set(rows.values()) == {"clean"}
 
 
-def test_check_names_a_failing_patch_and_exits_nonzero(tmp_path):
-    root = _fake_root(tmp_path)
+def test_check_names_a_failing_patch_and_exits_nonzero(tmp_path, fake_root):
+    root = fake_root()
     bad = root / "patches" / "0002-bogus.patch"
     bad.write_text("From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
                    "From: pybmoe <pybmoe@localhost>\nDate: Sun, 29 Nov 2026 00:00:00 +0000\n"
@@ -132,8 +112,8 @@ def test_check_names_a_failing_patch_and_exits_nonzero(tmp_path):
     assert "0002-bogus.patch does not apply" in r.stdout
 
 
-def test_rebase_onto_the_pinned_version_is_all_clean(tmp_path, pin, sdist):
-    root = _fake_root(tmp_path)
+def test_rebase_onto_the_pinned_version_is_all_clean(tmp_path, pin, sdist, fake_root):
+    root = fake_root()
     r = _cli(root, "rebase", "--onto", pin.version)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"sha256 {pin.sha256}" in r.stdout
@@ -154,8 +134,8 @@ def test_rebase_onto_the_pinned_version_is_all_clean(tmp_path, pin, sdist):
     assert r.returncode == 2 and "--force" in r.stderr
 
 
-def test_rebase_conflict_stops_in_am_state_and_continues(tmp_path, sdist):
-    root = _fake_root(tmp_path)
+def test_rebase_conflict_stops_in_am_state_and_continues(tmp_path, sdist, fake_root):
+    root = fake_root()
     victim = _victim(root)
     rel, line_no = _conflicting_change(victim)
     changed = tmp_path / "llama_cpp_python-0.3.36+conflict.tar.gz"
@@ -194,8 +174,8 @@ def test_rebase_conflict_stops_in_am_state_and_continues(tmp_path, sdist):
     assert not (tree / ".git" / "rebase-apply").exists()
 
 
-def test_rebase_rejects_bad_input_early(tmp_path):
-    root = _fake_root(tmp_path)
+def test_rebase_rejects_bad_input_early(tmp_path, fake_root):
+    root = fake_root()
     r = _cli(root, "rebase", "--onto", "not a version!")
     assert r.returncode == 2 and "neither a .tar.gz sdist nor a version" in r.stderr
     r = _cli(root, "rebase", "--onto", str(tmp_path / "missing.tar.gz"))

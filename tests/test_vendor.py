@@ -1,7 +1,6 @@
 """Vendoring: the pin is enforced, failing patches are named, the series round-trips."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,28 +10,6 @@ import pytest
 from pybmoe import patches, vendor
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def pin():
-    return vendor.load_pin(ROOT)
-
-
-@pytest.fixture(scope="module")
-def sdist(pin):
-    return vendor.fetch_sdist(pin, vendor.cache_dir())
-
-
-def _fake_root(tmp: Path, extra_patch: str | None = None) -> Path:
-    root = tmp / "proj"
-    (root / "vendor").mkdir(parents=True)
-    shutil.copy(ROOT / "vendor" / "upstream.toml", root / "vendor")
-    shutil.copytree(ROOT / "patches", root / "patches")
-    if extra_patch:
-        (root / "patches" / "9999-bogus.patch").write_text(extra_patch)
-        with open(root / "patches" / "series", "a") as f:
-            f.write("9999-bogus.patch\n")
-    return root
 
 
 def test_pin_records_upstream(pin):
@@ -56,7 +33,7 @@ def test_tampered_sdist_is_refused(sdist, pin, tmp_path):
     vendor.verify_sdist(sdist, pin)
 
 
-def test_failing_patch_is_named(sdist, tmp_path, monkeypatch):
+def test_failing_patch_is_named(sdist, tmp_path, monkeypatch, fake_root):
     bogus = """From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
 From: pybmoe <pybmoe@localhost>
 Date: Sun, 29 Nov 2026 00:00:00 +0000
@@ -72,15 +49,15 @@ diff --git a/vendor/llama.cpp/src/llama.cpp b/vendor/llama.cpp/src/llama.cpp
  nor this
  nor that
 """
-    root = _fake_root(tmp_path, bogus)
+    root = fake_root(bogus)
     with pytest.raises(vendor.PatchFailedError) as ei:
         vendor.ensure_tree(root, log=lambda *_: None)
     assert ei.value.patch == "9999-bogus.patch"
     assert "9999-bogus.patch" in str(ei.value)
 
 
-def test_series_applies_and_export_is_a_noop(tmp_path):
-    root = _fake_root(tmp_path)
+def test_series_applies_and_export_is_a_noop(tmp_path, fake_root):
+    root = fake_root()
     before = {p.name: p.read_bytes() for p in (root / "patches").iterdir()}
     llama_dir = vendor.ensure_tree(root, log=lambda *_: None)
     assert (llama_dir / "ggml" / "src" / "ggml-cpu" / "ggml-cpu.c").is_file()
@@ -93,8 +70,8 @@ def test_series_applies_and_export_is_a_noop(tmp_path):
     assert vendor.ensure_tree(root, log=lambda *_: pytest.fail("re-applied")) == llama_dir
 
 
-def test_dirty_tree_is_not_discarded(tmp_path):
-    root = _fake_root(tmp_path)
+def test_dirty_tree_is_not_discarded(tmp_path, fake_root):
+    root = fake_root()
     llama_dir = vendor.ensure_tree(root, log=lambda *_: None)
     f = llama_dir / "README.md"
     f.write_text(f.read_text() + "\nlocal edit\n")
