@@ -318,6 +318,12 @@ void llama_moe_log_once(const char * key, const char * fmt, ...) {
     LLAMA_LOG_INFO("moe-cache: %s\n", buf);
 }
 
+// a MoE layer: a router and experts (separate or fused gate_up); the cache, the trace and route
+// replay all take their layers from this test
+bool llama_moe_is_moe_layer(const llama_layer & layer) {
+    return layer.ffn_gate_inp && (layer.ffn_up_exps || layer.ffn_gate_up_exps);
+}
+
 bool llama_moe_buft_is_host(ggml_backend_buffer_type_t buft) {
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
     return dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU || ggml_backend_buft_is_host(buft);
@@ -543,7 +549,7 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
     for (int il = 0; il < (int) model->layers.size(); ++il) {
         const auto & layer = model->layers[il];
         const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = { layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps };
-        if (layer.ffn_gate_inp == nullptr || (exps[0] == nullptr && layer.ffn_gate_up_exps == nullptr)) {
+        if (!llama_moe_is_moe_layer(layer)) {
             continue;
         }
         n_moe++;
@@ -1185,7 +1191,7 @@ int32_t llama_model_moe_trace_open(llama_model * model, const char * path, int32
     const auto & hp = model->hparams;
     std::vector<int> ils;
     for (int il = 0; il < (int) model->layers.size(); ++il) {
-        if (model->layers[il].ffn_gate_inp && (model->layers[il].ffn_up_exps || model->layers[il].ffn_gate_up_exps)) {
+        if (llama_moe_is_moe_layer(model->layers[il])) {
             ils.push_back(il);
         }
     }
@@ -1249,8 +1255,7 @@ int32_t llama_model_moe_route_replay_open(llama_model * model, const char * path
     std::vector<bool> is_moe(n_layer, false);
     int n_moe = 0;
     for (int il = 0; il < n_layer; ++il) {
-        const auto & layer = model->layers[il];
-        is_moe[il] = layer.ffn_gate_inp && (layer.ffn_up_exps || layer.ffn_gate_up_exps);
+        is_moe[il] = llama_moe_is_moe_layer(model->layers[il]);
         n_moe += is_moe[il];
     }
     if (n_moe == 0) {
