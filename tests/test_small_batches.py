@@ -84,10 +84,8 @@ def test_max_batch_flag_is_validated(model_q8):
 
 
 def _serve(model, rpc, slots, spec_args, prompt, n_predict, extra=()):
-    srv = engine.LlamaServer(demo.server_args(model, rpc.endpoint, slots, 0, ["-fa", "off", *spec_args, *extra]))
-    with srv:
-        r = srv.completion(prompt, n_predict=n_predict)
-    return r, srv.stop()
+    """One greedy request through llama-server (demo.run_once), flash attention off."""
+    return demo.run_once(model, rpc.endpoint, slots, 0, prompt, n_predict, ["-fa", "off", *spec_args, *extra])
 
 
 def test_speculative_ngram_greedy_output_is_unchanged(model_q8, rpc, tmp_path):
@@ -96,14 +94,14 @@ def test_speculative_ngram_greedy_output_is_unchanged(model_q8, rpc, tmp_path):
     batches: (1 + draft max) x parallel sequences."""
     prompt = "one two three one two three one two three one two three"
     n = 48
-    plain, _ = _serve(model_q8, rpc, 0, [], prompt, n)
+    plain = _serve(model_q8, rpc, 0, [], prompt, n)
     spec_args = ["--spec-type", "ngram-simple"]
-    spec_off, _ = _serve(model_q8, rpc, 0, spec_args, prompt, n)
+    spec_off = _serve(model_q8, rpc, 0, spec_args, prompt, n)
     trace = tmp_path / "spec.csv"
-    spec_on, log = _serve(model_q8, rpc, 8, spec_args, prompt, n, ["--moe-trace", str(trace)])
-    assert spec_off["content"] == plain["content"]
-    assert spec_on["content"] == plain["content"]
-    rec = engine.cache_record(log)
+    spec_on = _serve(model_q8, rpc, 8, spec_args, prompt, n, ["--moe-trace", str(trace)])
+    assert spec_off.text == plain.text
+    assert spec_on.text == plain.text
+    rec = engine.cache_record(spec_on.log)
     assert rec["max_batch"] > 1 and rec["hit_pct"] > 0
     # verify batches (several tokens after the prompt) were served by the cache, and the
     # simulator still predicts every lookup
@@ -121,10 +119,11 @@ def test_draft_model_speculation_is_unchanged_and_says_the_draft_has_no_cache(mo
     draft = models.make_model(tmp_path / "draft.gguf", seed=1)
     prompt = "one two three one two three one two three"
     n = 32
-    plain, _ = _serve(model_q8, rpc, 0, [], prompt, n)
+    plain = _serve(model_q8, rpc, 0, [], prompt, n)
     spec_args = ["-md", str(draft), "-ngld", "0", "--spec-type", "draft-simple", "--spec-draft-n-max", "4"]
-    on, log = _serve(model_q8, rpc, 8, spec_args, prompt, n)
-    assert on["content"] == plain["content"]
+    on = _serve(model_q8, rpc, 8, spec_args, prompt, n)
+    log = on.log
+    assert on.text == plain.text
     assert "moe-cache: the draft model runs without the expert cache, trace or route replay" in log
     assert log.count("MoE layers cached") == 1  # the target's cache only
     rec = engine.cache_record(log)
