@@ -118,8 +118,7 @@ def verify_sdist(path: Path, pin: Upstream) -> None:
 def fetch_sdist(pin: Upstream, cache_dir: Path) -> Path:
     """Download the pinned sdist by name with pip (reusing a verified cached copy).
 
-    Uses ``pip download --no-binary :all: --no-deps``; ``--no-build-isolation``
-    keeps pip from building cmake from source just to read the metadata.
+    Uses ``pip download --no-binary NAME --no-deps`` (see ``download_sdist``).
     """
     cache_dir.mkdir(parents=True, exist_ok=True)
     dst = cache_dir / pin.filename
@@ -142,16 +141,20 @@ def download_sdist(name: str, version: str, dest: Path) -> Path:
     """Download the sdist of ``name==version`` into the directory ``dest`` with pip; return its path.
 
     Nothing is verified here (a version that is not pinned has no known sha256): the caller
-    checks or reports the digest. Uses ``pip download --no-binary :all: --no-deps
-    --no-build-isolation``.
+    checks or reports the digest. Uses ``pip download --no-binary NAME --no-deps``: pip reads the
+    sdist's metadata in an isolated build environment, which takes the build backend
+    (scikit-build-core) and its requirements as wheels; ``--no-binary :all:`` would build cmake from
+    source for that, and ``--no-build-isolation`` needs the backend importable by this interpreter,
+    which a fresh virtual environment (or a ``pip install .`` build, whose PYTHONPATH the configure
+    step replaces) does not have.
 
     Raises:
         VendorError: pip failed, or did not produce exactly one ``.tar.gz``.
     """
     dest.mkdir(parents=True, exist_ok=True)
     before = set(dest.iterdir())
-    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-           "--no-build-isolation", "--disable-pip-version-check", "-d", str(dest),
+    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", name, "--no-deps",
+           "--disable-pip-version-check", "-d", str(dest),
            f"{name}=={version}"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     new = [p for p in set(dest.iterdir()) - before if p.name.endswith(".tar.gz")]
