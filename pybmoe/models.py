@@ -56,7 +56,7 @@ import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -68,9 +68,7 @@ from gguf import GGUFValueType as VT
 #: the cache file name of :func:`default_model_path`.
 GENERATOR_VERSION = 1
 
-ARCHES = ("qwen3moe", "qwen3")  # qwen3: dense (no experts), for the cache's non-MoE path
 FTYPES = ("F16", "Q8_0", "Q4_K")
-
 _QTYPE = {"F16": QT.F16, "Q8_0": QT.Q8_0, "Q4_K": QT.Q4_K}
 _FILE_TYPE = {
     "F16": gguf.LlamaFileType.MOSTLY_F16,
@@ -125,6 +123,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.arch not in ARCHES:
             raise ValueError(f"arch={self.arch!r} is not supported; accepted: {', '.join(ARCHES)}")
+        if ARCHES[self.arch].validate is not None:
+            ARCHES[self.arch].validate(self)
         if self.ftype not in FTYPES:
             raise ValueError(f"ftype={self.ftype!r} is not supported; accepted: {', '.join(FTYPES)}")
         for f in fields(self):
@@ -482,27 +482,33 @@ def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.
     return a
 
 
-def tensor_plan(spec: ModelSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], QT]]:
-    """``(name, ggml shape (ne0 first), type)`` of every tensor, in file order."""
+def attention_plan(spec: ModelSpec, p: str) -> list[tuple[str, tuple[int, ...], QT]]:
+    """The qwen3-style attention block of layer prefix ``p`` (``"blk.N."``): norm, q/k/v/output
+    and the per-head q/k norms, plus ``ffn_norm``."""
+    q, E = spec.qtype, spec.n_embd
+    nq, nkv = spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim
+    return [
+        (p + "attn_norm.weight", (E,), QT.F32),
+        (p + "attn_q.weight", (E, nq), q),
+        (p + "attn_k.weight", (E, nkv), q),
+        (p + "attn_v.weight", (E, nkv), q),
+        (p + "attn_output.weight", (nq, E), _fit(q, nq)),
+        (p + "attn_q_norm.weight", (spec.head_dim,), QT.F32),
+        (p + "attn_k_norm.weight", (spec.head_dim,), QT.F32),
+        (p + "ffn_norm.weight", (E,), QT.F32),
+    ]
+
+
+def _plan_qwen3moe(spec: ModelSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], QT]]:
     q = spec.qtype
     E, F, X = spec.n_embd, spec.n_ff_exp, spec.n_expert
-    nq, nkv = spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim
     plan: list[tuple[str, tuple[int, ...], QT]] = [
         ("token_embd.weight", (E, n_vocab), embd_qtype(spec)),
         ("output_norm.weight", (E,), QT.F32),
     ]
     for i in range(spec.n_layer):
         p = f"blk.{i}."
-        plan += [
-            (p + "attn_norm.weight", (E,), QT.F32),
-            (p + "attn_q.weight", (E, nq), q),
-            (p + "attn_k.weight", (E, nkv), q),
-            (p + "attn_v.weight", (E, nkv), q),
-            (p + "attn_output.weight", (nq, E), _fit(q, nq)),
-            (p + "attn_q_norm.weight", (spec.head_dim,), QT.F32),
-            (p + "attn_k_norm.weight", (spec.head_dim,), QT.F32),
-            (p + "ffn_norm.weight", (E,), QT.F32),
-        ]
+        plan += attention_plan(spec, p)
         if spec.arch == "qwen3":  # dense FFN of n_ff_exp
             plan += [
                 (p + "ffn_gate.weight", (E, F), q),
@@ -517,6 +523,58 @@ def tensor_plan(spec: ModelSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...
             (p + "ffn_down_exps.weight", (F, E, X), q),
         ]
     return plan
+
+
+def _kvs_qwen3moe(spec: ModelSpec, w: "gguf.GGUFWriter") -> None:
+    if spec.arch == "qwen3":
+        w.add_feed_forward_length(spec.n_ff_exp)
+    else:
+        w.add_feed_forward_length(spec.n_ff_exp * spec.n_expert_used)
+        w.add_expert_feed_forward_length(spec.n_ff_exp)
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
+
+
+@dataclass(frozen=True)
+class ArchDef:
+    """How :func:`write_model` writes one llama.cpp architecture.
+
+    ``plan(spec, n_vocab)`` gives every tensor as ``(name, ggml shape (ne0 first), type)`` in file
+    order; ``add_kvs(spec, writer)`` adds the architecture's own metadata (the shared keys: context,
+    embedding and block lengths, heads, key/value lengths, RoPE base, RMS epsilon and the
+    tokenizer are written for every architecture); ``init(name, ggml_shape, rng)`` may return a
+    tensor's float32 values (numpy shape = reversed ggml shape) or ``None`` for the default
+    (normal, std ``1/sqrt(fan_in)``; norms 1); ``validate(spec)`` raises :class:`ValueError` for
+    shapes the architecture cannot take; ``moe`` is False for a dense architecture.
+    """
+
+    name: str
+    plan: Callable[["ModelSpec", int], list[tuple[str, tuple[int, ...], QT]]]
+    add_kvs: Callable[["ModelSpec", Any], None]
+    init: Callable[[str, tuple[int, ...], np.random.Generator], np.ndarray | None] | None = None
+    validate: Callable[["ModelSpec"], None] | None = None
+    moe: bool = True
+    doc: str = ""
+
+
+#: Architectures :func:`write_model` can write, by GGUF ``general.architecture`` name.
+ARCHES: dict[str, ArchDef] = {
+    "qwen3moe": ArchDef("qwen3moe", _plan_qwen3moe, _kvs_qwen3moe,
+                        doc="separate gate/up/down experts, SiLU gate, softmax router"),
+    "qwen3": ArchDef("qwen3", _plan_qwen3moe, _kvs_qwen3moe, moe=False,
+                     doc="dense (no experts), for the cache's non-MoE path"),
+}
+
+
+def register_arch(arch: ArchDef) -> ArchDef:
+    """Add ``arch`` to :data:`ARCHES` (the architecture modules under :mod:`pybmoe.archs` call it)."""
+    ARCHES[arch.name] = arch
+    return arch
+
+
+def tensor_plan(spec: ModelSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], QT]]:
+    """``(name, ggml shape (ne0 first), type)`` of every tensor, in file order."""
+    return ARCHES[spec.arch].plan(spec, n_vocab)
 
 
 def _std(name: str, shape: tuple[int, ...]) -> float | None:
@@ -548,13 +606,7 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, *, vocab_path: str | o
         w.add_context_length(spec.n_ctx_train)
         w.add_embedding_length(spec.n_embd)
         w.add_block_count(spec.n_layer)
-        if spec.arch == "qwen3":
-            w.add_feed_forward_length(spec.n_ff_exp)
-        else:
-            w.add_feed_forward_length(spec.n_ff_exp * spec.n_expert_used)
-            w.add_expert_feed_forward_length(spec.n_ff_exp)
-            w.add_expert_count(spec.n_expert)
-            w.add_expert_used_count(spec.n_expert_used)
+        ARCHES[arch].add_kvs(spec, w)
         w.add_head_count(spec.n_head)
         w.add_head_count_kv(spec.n_head_kv)
         w.add_key_length(spec.head_dim)
@@ -566,8 +618,12 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, *, vocab_path: str | o
 
         for name, shape, qtype in tensor_plan(spec, n_vocab):
             np_shape = tuple(reversed(shape))
-            std = _std(name, shape)
-            data = np.ones(np_shape, np.float32) if std is None else _normal(rng, np_shape, std)
+            data = ARCHES[arch].init(name, shape, rng) if ARCHES[arch].init is not None else None
+            if data is None:
+                std = _std(name, shape)
+                data = np.ones(np_shape, np.float32) if std is None else _normal(rng, np_shape, std)
+            elif data.shape != np_shape or data.dtype != np.float32:
+                raise AssertionError(f"{arch} init of {name}: got {data.dtype} {data.shape}, want float32 {np_shape}")
             if qtype == QT.F32:
                 w.add_tensor(name, data)
             elif qtype == QT.F16:
@@ -649,12 +705,15 @@ GRANITE_TRACE_SPEC = ModelSpec(n_layer=24, n_expert=32, n_expert_used=8)
 # --------------------------------------------------------------------------- CLI
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``pybmoe make-model OUT [--ftype F16|Q8_0|Q4_K] [--layers N] [--experts N] [--top-k N]
+    """``pybmoe make-model OUT [--arch NAME] [--ftype F16|Q8_0|Q4_K] [--layers N] [--experts N] [--top-k N]
     [--embd N] [--ff N] [--seed N] [--vocab PATH]``; returns the exit status."""
     d = ModelSpec()
     ap = argparse.ArgumentParser(prog="pybmoe make-model",
-                                 description="Write a tiny deterministic qwen3moe GGUF model.")
+                                 description="Write a tiny deterministic MoE GGUF model.")
     ap.add_argument("out", type=Path, help="output .gguf path")
+    ap.add_argument("--arch", choices=sorted(ARCHES), default=d.arch,
+                    help="llama.cpp architecture (default %(default)s): " +
+                    "; ".join(f"{a.name}: {a.doc}" for a in ARCHES.values()))
     ap.add_argument("--ftype", choices=FTYPES, default=d.ftype, help="expert/attention weight type (default %(default)s)")
     ap.add_argument("--layers", type=int, default=d.n_layer, help="blocks (default %(default)s)")
     ap.add_argument("--experts", type=int, default=d.n_expert, help="experts per layer (default %(default)s)")
@@ -666,7 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        spec = ModelSpec(ftype=a.ftype, seed=a.seed, n_layer=a.layers, n_expert=a.experts,
+        spec = ModelSpec(arch=a.arch, ftype=a.ftype, seed=a.seed, n_layer=a.layers, n_expert=a.experts,
                          n_expert_used=a.top_k, n_embd=a.embd, n_ff_exp=a.ff)
         out = write_model(spec, a.out, vocab_path=a.vocab)
     except (ValueError, FileNotFoundError) as e:
@@ -676,6 +735,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{out}: {spec.name}, {mib:.1f} MiB, {expert_bytes(spec) / 2**20:.3f} MiB/expert, "
           f"{time.perf_counter() - t0:.1f} s")
     return 0
+
+
+# the other architectures register themselves (pybmoe/archs/)
+from pybmoe import archs as _archs  # noqa: E402,F401
 
 
 if __name__ == "__main__":  # pragma: no cover
