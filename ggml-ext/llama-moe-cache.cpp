@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -31,7 +32,39 @@
 
 namespace {
 
-constexpr int LLAMA_MOE_N_PROJ = 3; // up, gate, down
+constexpr int LLAMA_MOE_N_PROJ = 3; // the most expert tensors a layer has: up, gate, down (or gate_up, down)
+
+// the expert tensors a layer multiplies by, in graph order, and their slot-name stems: {up, gate, down},
+// {up, down} without a gate, or {gate_up, down} when fused; returns how many (0: not an expert layer)
+int llama_moe_proj_list(const ggml_tensor * up, const ggml_tensor * gate, const ggml_tensor * down,
+                        const ggml_tensor * gate_up, const ggml_tensor * out[LLAMA_MOE_N_PROJ],
+                        const char * names[LLAMA_MOE_N_PROJ] = nullptr) {
+    static const char * fused[] = { "gate_up", "down" };
+    static const char * sep3 [] = { "up", "gate", "down" };
+    static const char * sep2 [] = { "up", "down" };
+    int n = 0;
+    const char * const * nm = nullptr;
+    if (down == nullptr) {
+        return 0;
+    }
+    if (gate_up != nullptr) {
+        out[n++] = gate_up; nm = fused;
+    } else if (up != nullptr) {
+        out[n++] = up;
+        if (gate != nullptr) {
+            out[n++] = gate; nm = sep3;
+        } else {
+            nm = sep2;
+        }
+    } else {
+        return 0;
+    }
+    out[n++] = down;
+    for (int p = 0; names && p < n; ++p) {
+        names[p] = nm[p];
+    }
+    return n;
+}
 
 enum llama_moe_slot_state : uint8_t {
     LLAMA_MOE_SLOT_FREE,
@@ -62,7 +95,8 @@ struct llama_moe_cache_layer {
     int32_t n_stage   = 0; // extra physical slots that uploads land in while the residents keep serving
     int32_t n_phys    = 0; // n_slots + n_stage; slot n_phys is the all-zero dummy slot
 
-    // the host tensors this layer caches (key for graph building)
+    // the host tensors this layer caches (key for graph building), see llama_moe_proj_list
+    int n_proj = 0;
     const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
     llama_moe_source    src [LLAMA_MOE_N_PROJ] = {};
     size_t              expert_nbytes[LLAMA_MOE_N_PROJ] = {}; // one expert's slice of each tensor
@@ -284,7 +318,7 @@ struct llama_moe_cache {
 
     void upload(const llama_moe_upload & u) {
         const llama_moe_cache_layer & l = layers[u.layer];
-        for (int p = 0; p < LLAMA_MOE_N_PROJ; ++p) {
+        for (int p = 0; p < l.n_proj; ++p) {
             const size_t n = l.expert_nbytes[p];
             staging.resize(n);
             FILE * f = files[l.src[p].file];
@@ -548,23 +582,19 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
     int n_moe = 0;
     for (int il = 0; il < (int) model->layers.size(); ++il) {
         const auto & layer = model->layers[il];
-        const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = { layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps };
         if (!llama_moe_is_moe_layer(layer)) {
             continue;
         }
         n_moe++;
-        const ggml_tensor * any_exps = exps[0] ? exps[0] : layer.ffn_gate_up_exps;
-        if (!llama_moe_buft_is_host(ggml_backend_buffer_get_type(any_exps->buffer))) {
+        const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
+        const int n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                                               layer.ffn_gate_up_exps, exps);
+        if (n_proj == 0) {
+            not_cached["the layer has no down experts"].push_back(il);
+            continue;
+        }
+        if (!llama_moe_buft_is_host(ggml_backend_buffer_get_type(exps[0]->buffer))) {
             continue; // experts already on a device: nothing to cache
-        }
-        if (layer.ffn_gate_up_exps || !exps[0] || !exps[1] || !exps[2]) {
-            not_cached["fused gate_up experts are not cached yet (stock graph)"].push_back(il);
-            continue;
-        }
-        if (layer.ffn_up_exps_s || layer.ffn_gate_exps_s || layer.ffn_down_exps_s ||
-            layer.ffn_up_exps_b || layer.ffn_gate_exps_b || layer.ffn_down_exps_b) {
-            not_cached["experts with per-expert scales or biases are not cached yet (stock graph)"].push_back(il);
-            continue;
         }
         ggml_backend_buffer_type_t rbuft = ggml_backend_buffer_get_type(layer.ffn_gate_inp->buffer);
         if (llama_moe_buft_is_host(rbuft)) {
@@ -576,8 +606,8 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
             continue;
         }
         bool ok = true;
-        for (auto * t : exps) {
-            ok = ok && mc->sources.count(ggml_get_name(t)) && t->ne[2] == n_expert;
+        for (int p = 0; p < n_proj; ++p) {
+            ok = ok && mc->sources.count(ggml_get_name(exps[p])) && exps[p]->ne[2] == n_expert;
         }
         if (!ok) {
             not_cached["expert tensors have no GGUF source"].push_back(il);
@@ -643,7 +673,12 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         double per_slot = 0.0; // MiB of one slot in every layer on this device
         for (int il : ils) {
             const auto & layer = model->layers[il];
-            per_slot += (layer.ffn_up_exps->nb[2] + layer.ffn_gate_exps->nb[2] + layer.ffn_down_exps->nb[2]) / 1024.0 / 1024.0;
+            const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
+            const int n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                                                   layer.ffn_gate_up_exps, exps);
+            for (int p = 0; p < n_proj; ++p) {
+                per_slot += exps[p]->nb[2] / 1024.0 / 1024.0;
+            }
         }
         auto fits = [&](int32_t c, double budget) { return (c + stage_for(c) + 1) * per_slot <= budget; };
         ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
@@ -712,7 +747,11 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
             ggml_context_ptr ctx { ggml_init(params) };
             for (int il : ils) {
                 const auto & layer = model->layers[il];
-                for (const ggml_tensor * t : { layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps }) {
+                const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
+                const int n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                                                       layer.ffn_gate_up_exps, exps);
+                for (int p = 0; p < n_proj; ++p) {
+                    const ggml_tensor * t = exps[p];
                     ggml_new_tensor_3d(ctx.get(), t->type, t->ne[0], t->ne[1], dev_slots + stage_for(dev_slots) + 1);
                 }
                 ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_expert);
@@ -761,9 +800,11 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
             llama_moe_cache_layer l;
             l.il = il; l.n_expert = n_expert; l.n_used = n_used; l.n_slots = dev_slots; l.n_cap = dev_slots;
             l.n_stage = n_stage; l.n_phys = dev_slots + n_stage;
-            const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = { layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps };
-            static const char * names[LLAMA_MOE_N_PROJ] = { "up", "gate", "down" };
-            for (int p = 0; p < LLAMA_MOE_N_PROJ; ++p) {
+            const char * names[LLAMA_MOE_N_PROJ] = {};
+            const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
+            l.n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                                           layer.ffn_gate_up_exps, exps, names);
+            for (int p = 0; p < l.n_proj; ++p) {
                 const ggml_tensor * t = exps[p];
                 l.exps[p] = t;
                 l.src[p]  = mc->sources.at(ggml_get_name(t));
@@ -911,11 +952,15 @@ const llama_moe_cache * llama_moe_cache_active(const llama_model & model) {
     return mc && (mc->enabled() || mc->tracing() || mc->replaying()) ? mc : nullptr;
 }
 
+// the most nodes the device chain of one layer may have (llama_moe_cache_build_split); beyond it the
+// layer builds the stock graph
+constexpr uint32_t LLAMA_MOE_MAX_CLONE = 48;
+
 uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc) {
     if (mc == nullptr) {
         return 0;
     }
-    return 16u * (uint32_t) (mc->enabled() ? mc->layers.size() : 0) + 4u * (uint32_t) mc->tlayers.size() +
+    return LLAMA_MOE_MAX_CLONE * (uint32_t) (mc->enabled() ? mc->layers.size() : 0) + 4u * (uint32_t) mc->tlayers.size() +
             2u * (uint32_t) mc->rp_tensors.size();
 }
 
@@ -943,14 +988,15 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
         return nullptr;
     }
     const llama_moe_cache_layer & l = mc->layers[mc->layer_of_il[d.il]];
-    if (d.up_exps != l.exps[0] || d.gate_exps != l.exps[1] || d.down_exps != l.exps[2]) {
+    const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
+    const int n_proj = llama_moe_proj_list(d.up_exps, d.gate_exps, d.down_exps, d.gate_up_exps, exps);
+    bool same = n_proj == l.n_proj;
+    for (int p = 0; same && p < n_proj; ++p) {
+        same = exps[p] == l.exps[p];
+    }
+    if (!same) {
         llama_moe_log_once("key", "layer %d: build_moe_ffn called with other expert tensors than the cached ones "
                 "(second call site); stock graph there", d.il);
-        return nullptr;
-    }
-    if (d.gate_up_fused || d.has_scales || d.has_biases || !d.silu || d.clamped || d.weight_before) {
-        llama_moe_log_once("variant", "layer %d: this MoE variant (fused gate_up, scales, biases, clamp or non-SiLU "
-                "activation) is not cached yet; stock graph", d.il);
         return nullptr;
     }
     if (d.has_lora) {
@@ -964,14 +1010,92 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
     return &l;
 }
 
+namespace {
+
+bool llama_moe_is_view_op(ggml_op op) {
+    return op == GGML_OP_VIEW || op == GGML_OP_RESHAPE || op == GGML_OP_PERMUTE || op == GGML_OP_TRANSPOSE;
+}
+
+// the cached projection a host node multiplies by, or -1
+int llama_moe_proj_of(const llama_moe_cache_layer * l, const ggml_tensor * t) {
+    for (int p = 0; t->op == GGML_OP_MUL_MAT_ID && p < l->n_proj; ++p) {
+        if (t->src[0] == l->exps[p]) {
+            return p;
+        }
+    }
+    return -1;
+}
+
+// The nodes between the FFN input and `out` that depend on a cached MUL_MAT_ID: the host chain the
+// device chain clones. Walks back from `out`, stopping at the FFN input, the routing and leaves.
+struct llama_moe_chain {
+    const llama_moe_cache_layer * l;
+    const ggml_tensor * stop[3];
+    std::map<const ggml_tensor *, bool> dep; // visited node -> depends on a cached projection
+    std::string why;                          // set when the chain cannot be cloned
+
+    bool scan(const ggml_tensor * t) {
+        auto it = dep.find(t);
+        if (it != dep.end()) {
+            return true;
+        }
+        if (dep.size() > 4 * LLAMA_MOE_MAX_CLONE) {
+            why = "the expert chain is larger than expected";
+            return false;
+        }
+        bool d = false;
+        if (t != stop[0] && t != stop[1] && t != stop[2]) {
+            for (const ggml_tensor * s : t->src) {
+                if (s != nullptr) {
+                    if (!scan(s)) {
+                        return false;
+                    }
+                    d = d || dep.at(s);
+                }
+            }
+        }
+        const int p = llama_moe_proj_of(l, t);
+        if (p >= 0) {
+            if (t->src[3] != nullptr) {
+                why = "a cached MUL_MAT_ID already has a skip table";
+                return false;
+            }
+            d = true;
+        } else if (d && t->op == GGML_OP_MUL_MAT_ID) {
+            why = "an uncached MUL_MAT_ID (LoRA?) downstream of a cached one";
+            return false;
+        } else if (d && t->view_src != nullptr && !llama_moe_is_view_op(t->op)) {
+            why = std::string("an in-place ") + ggml_op_desc(t) + " in the expert chain";
+            return false;
+        }
+        dep[t] = d;
+        return true;
+    }
+};
+
+} // namespace
+
 ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_cache_layer * l,
-                                          ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * down_h) {
-    ggml_tensor * act_h = down_h->src[1];
-    GGML_ASSERT(down_h->op == GGML_OP_MUL_MAT_ID && act_h->op == GGML_OP_GLU);
-    ggml_tensor * gate_h = act_h->src[0];
-    ggml_tensor * up_h   = act_h->src[1];
-    GGML_ASSERT(gate_h->op == GGML_OP_MUL_MAT_ID && up_h->op == GGML_OP_MUL_MAT_ID);
-    GGML_ASSERT(gate_h->src[2] == selected && up_h->src[2] == selected && down_h->src[2] == selected);
+                                          ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * out_h) {
+    llama_moe_chain ch = { l, { inp, inp->src[0], selected }, {}, {} };
+    int n_dep = 0;
+    bool ok = ch.scan(out_h) && ch.dep.at(out_h);
+    for (const auto & [t, d] : ch.dep) {
+        n_dep += d;
+        if (ok && d && llama_moe_proj_of(l, t) >= 0 && t->src[2] != selected) {
+            ch.why = "a cached MUL_MAT_ID takes other ids than the routing";
+            ok = false;
+        }
+    }
+    if (ok && n_dep + 8 > (int) LLAMA_MOE_MAX_CLONE) {
+        ch.why = "the expert chain is larger than expected";
+        ok = false;
+    }
+    if (!ok) {
+        llama_moe_log_once(("chain:" + ch.why).c_str(), "WARNING layer %d: the expert cache cannot split this MoE "
+                "chain (%s); stock graph there", l->il, ch.why.empty() ? "it has no cached projection" : ch.why.c_str());
+        return out_h;
+    }
 
     const int64_t n_used   = selected->ne[0];
     const int64_t n_tokens = selected->ne[1];
@@ -980,31 +1104,54 @@ ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, 
     ggml_tensor * obs = ggml_view_1d(ctx, l->observed, n_used*n_tokens, 0);
     ggml_build_forward_expand(gf, ggml_cpy(ctx, selected, obs));
 
-    // host chain: skip resident experts
-    for (ggml_tensor * h : { up_h, gate_h, down_h }) {
-        ggml_mul_mat_id_set_skip(h, l->host_table, l->n_phys);
-    }
-
-    // device chain: the same projections over the slots; misses read the zero slot
     // get_rows gathers per token from a table per token: repeat the one table over the ubatch's tokens
     ggml_tensor * table = n_tokens == 1 ? l->dev_table : ggml_repeat_4d(ctx, l->dev_table, 1, l->n_expert, n_tokens, 1);
     ggml_tensor * slot_ids = ggml_get_rows(ctx, table, selected); // [1, n_used, n_tokens]
     slot_ids = ggml_reshape_2d(ctx, slot_ids, n_used, n_tokens);
     ggml_format_name(slot_ids, "ffn_moe_cache_slots-%d", l->il);
 
-    auto mmid_like = [&](ggml_tensor * w, ggml_tensor * b, const ggml_tensor * h) {
-        ggml_tensor * r = ggml_mul_mat_id(ctx, w, b, slot_ids);
-        memcpy(r->op_params, h->op_params, sizeof(r->op_params)); // same precision settings as the host node
-        ((int32_t *) r->op_params)[2] = 0;
+    // The device chain is the host chain with every cached MUL_MAT_ID(w, x, ids) replaced by
+    // MUL_MAT_ID(slots of w, x', slot ids), where the host one skips resident experts (zero rows) and
+    // misses read the all-zero dummy slot. Every other node is cloned with the same op and parameters
+    // (views, activation, clamps, add_id biases and get_rows-gathered scales keep the ORIGINAL ids), so
+    // each output row is computed in exactly one chain and is 0 in the other: a skipped or dummy row
+    // that picks up a bias is zeroed again by the down projection. A bias or scale after the down
+    // projection that `out_h` includes applies on both chains to complementary rows, i.e. once.
+    std::map<const ggml_tensor *, ggml_tensor *> dev;
+    std::function<ggml_tensor * (ggml_tensor *)> clone = [&](ggml_tensor * t) -> ggml_tensor * {
+        if (!ch.dep.count(t) || !ch.dep.at(t)) {
+            return t; // shared with the host chain
+        }
+        auto it = dev.find(t);
+        if (it != dev.end()) {
+            return it->second;
+        }
+        ggml_tensor * r = nullptr;
+        const int p = llama_moe_proj_of(l, t);
+        if (p >= 0) {
+            ggml_tensor * x = clone(t->src[1]);
+            ggml_mul_mat_id_set_skip(t, l->host_table, l->n_phys);
+            r = ggml_mul_mat_id(ctx, l->slots[p], x, slot_ids);
+            memcpy(r->op_params, t->op_params, sizeof(r->op_params)); // the host node's precision settings
+            ((int32_t *) r->op_params)[2] = 0;
+        } else if (llama_moe_is_view_op(t->op)) {
+            // a view of a cloned result: same shape, strides and offset into the clone of its base
+            ggml_tensor * base = clone(t->view_src);
+            r = ggml_view_4d(ctx, base, t->ne[0], t->ne[1], t->ne[2], t->ne[3], t->nb[1], t->nb[2], t->nb[3], t->view_offs);
+        } else {
+            r = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, t->ne);
+            r->op = t->op;
+            memcpy(r->op_params, t->op_params, sizeof(r->op_params));
+            for (int i = 0; i < GGML_MAX_SRC; ++i) {
+                r->src[i] = t->src[i] ? clone(t->src[i]) : nullptr;
+            }
+        }
+        ggml_format_name(r, "%.48s-cache", t->name);
+        dev[t] = r;
         return r;
     };
-    ggml_tensor * up_c   = mmid_like(l->slots[0], inp, up_h);
-    ggml_tensor * gate_c = mmid_like(l->slots[1], inp, gate_h);
-    ggml_tensor * act_c  = ggml_glu_split(ctx, gate_c, up_c, ggml_get_glu_op(act_h));
-    ggml_tensor * down_c = mmid_like(l->slots[2], act_c, down_h);
-    ggml_format_name(down_c, "ffn_moe_cache_down-%d", l->il);
-
-    return ggml_add(ctx, down_h, down_c);
+    ggml_tensor * out_c = clone(out_h);
+    return ggml_add(ctx, out_h, out_c);
 }
 
 //

@@ -164,14 +164,9 @@ struct llama_moe_cache_ffn_desc {
     int      il;
     int64_t  n_ubatch;        // tokens in the ubatch (the last layer may see fewer: only the outputs)
     const ggml_tensor * up_exps;
-    const ggml_tensor * gate_exps;
+    const ggml_tensor * gate_exps;    // nullptr: no gate
     const ggml_tensor * down_exps;
-    bool     gate_up_fused;   // gate_up_exps
-    bool     has_scales;      // *_exps_s
-    bool     has_biases;      // *_exps_b
-    bool     silu;            // type_op == LLM_FFN_SILU
-    bool     clamped;         // per-layer swiglu clamp
-    bool     weight_before;   // weights applied before the FFN (llama4)
+    const ggml_tensor * gate_up_exps; // fused gate_up (then up_exps and gate_exps are nullptr)
     bool     has_lora;
 };
 
@@ -184,13 +179,18 @@ ggml_tensor * llama_moe_route_replay_ids(const llama_moe_cache * mc, ggml_contex
 // also adds the trace node when tracing
 const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d);
 
-// Marks the host chain that ends in down_h (MUL_MAT_ID <- GLU <- {gate, up} MUL_MAT_ID) to skip
-// resident experts, builds the device chain over the slots and returns host + device down outputs.
-//   inp      [n_embd, 1, n_tokens]     FFN input
+// Splits one MoE layer between host and device. `out_h` is the host chain's output before the
+// routing weights (the down MUL_MAT_ID, with a down scale if the layer has one): every node between
+// the FFN input and `out_h` that depends on a MUL_MAT_ID of a cached expert tensor is cloned into a
+// device chain over the slots (see the comment in the source), the host MUL_MAT_IDs get the skip
+// table, and the result is host + device. Any chain of views, activations, clamps, add_id biases and
+// gathered scales is accepted (fused gate_up, gpt-oss biases, gemma4 scales, llama4 weighting); a
+// chain it cannot clone (e.g. in-place ops, LoRA) returns `out_h` unchanged with one WARN line.
+//   inp      [n_embd, 1, n_tokens]     FFN input (where the walk back stops)
 //   selected I32 [n_expert_used, n_tokens]
 //   result   [n_embd, n_expert_used, n_tokens]
 ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_cache_layer * l,
-                                          ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * down_h);
+                                          ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * out_h);
 
 // around each ubatch's graph: before_ubatch marks a graph in flight; after_ubatch (ubatch nullptr when
 // the graph failed) waits for it, accounts its routing (and writes trace rows), publishes the uploads
