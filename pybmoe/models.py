@@ -707,6 +707,11 @@ GRANITE_TRACE_SPEC = ModelSpec(n_layer=24, n_expert=32, n_expert_used=8)
 def main(argv: Sequence[str] | None = None) -> int:
     """``pybmoe make-model OUT [--arch NAME] [--ftype F16|Q8_0|Q4_K] [--layers N] [--experts N] [--top-k N]
     [--embd N] [--ff N] [--seed N] [--vocab PATH]``; returns the exit status."""
+    if __name__ == "__main__":
+        # run as a script: the architectures under pybmoe/archs register with pybmoe.models, not
+        # with this __main__ copy of it
+        from pybmoe import models
+        return models.main(argv)
     d = ModelSpec()
     ap = argparse.ArgumentParser(prog="pybmoe make-model",
                                  description="Write a tiny deterministic MoE GGUF model.")

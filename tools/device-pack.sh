@@ -2,7 +2,7 @@
 # Prepares what tools/device-check.sh and tools/device-bench.sh need on the device machine, which
 # cannot reach any network:
 #   build/device/llama-src.tar.xz        the patched llama.cpp tree (no model files)
-#   build/device/tiny-moe.gguf           a tiny qwen3moe (GPT-2 vocab, to stay small)
+#   build/device/tiny-ARCH.gguf          tiny qwen3moe, gemma4 and gpt-oss models (GPT-2 vocab, to stay small)
 #   build/device/ggml-vocab-qwen2.gguf   the vocab device-bench.sh's synthetic model embeds
 #   build/device/bench-trace.csv.xz      device-bench.sh's route-replay trace: the granite trace mapped
 #                                        onto the benchmark shape (pybmoe trace synth)
@@ -15,8 +15,10 @@ mkdir -p build/device
 tar -C "$(dirname "$LLAMA")" -cJf build/device/llama-src.tar.xz \
     --exclude='llama.cpp/models/*.gguf*' --exclude='llama.cpp/docs' --exclude='llama.cpp/media' \
     --exclude='llama.cpp/tools/ui/*.gz' "$(basename "$LLAMA")"
-python3 -m pybmoe.cli make-model build/device/tiny-moe.gguf --ftype Q8_0 \
-    --vocab "$LLAMA/models/ggml-vocab-gpt-2.gguf"
+for arch in qwen3moe gemma4 gpt-oss; do  # separate experts; fused gate_up + down scale; biases + swiglu_oai
+    python3 -m pybmoe.cli make-model "build/device/tiny-$arch.gguf" --arch "$arch" --ftype Q8_0 \
+        --vocab "$LLAMA/models/ggml-vocab-gpt-2.gguf"
+done
 cp "$LLAMA/models/ggml-vocab-qwen2.gguf" build/device/
 eval "$(tools/device-bench.sh --shape)"
 python3 -m pybmoe.cli trace synth --from pybmoe/data/granite-3.0-1b-a400m-routing.json --steps "$BENCH_TRACE_STEPS" \
