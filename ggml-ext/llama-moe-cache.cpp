@@ -349,7 +349,11 @@ void llama_moe_log_once(const char * key, const char * fmt, ...) {
     va_start(args, fmt);
     vsnprintf(buf, sizeof(buf), fmt, args);
     va_end(args);
-    LLAMA_LOG_INFO("moe-cache: %s\n", buf);
+    if (strncmp(buf, "WARNING", 7) == 0) {
+        LLAMA_LOG_WARN("moe-cache: %s\n", buf); // the cache is not serving something it was asked to
+    } else {
+        LLAMA_LOG_INFO("moe-cache: %s\n", buf);
+    }
 }
 
 // a MoE layer: a router and experts (separate or fused gate_up); the cache, the trace and route
@@ -995,12 +999,12 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
         same = exps[p] == l.exps[p];
     }
     if (!same) {
-        llama_moe_log_once("key", "layer %d: build_moe_ffn called with other expert tensors than the cached ones "
+        llama_moe_log_once("key", "WARNING layer %d: build_moe_ffn called with other expert tensors than the cached ones "
                 "(second call site); stock graph there", d.il);
         return nullptr;
     }
     if (d.has_lora) {
-        llama_moe_log_once("lora", "LoRA adapters are loaded: the expert cache is bypassed (stock graph) while they are");
+        llama_moe_log_once("lora", "WARNING LoRA adapters are loaded: the expert cache is bypassed (stock graph) while they are");
         return nullptr;
     }
     if (d.n_ubatch > mc->max_batch) {

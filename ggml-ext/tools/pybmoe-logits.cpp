@@ -75,6 +75,17 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "pybmoe-logits: failed to load the model\n");
         return 1;
     }
+    // --lora: common_init_from_params loads adapters only with its own context (not model_only)
+    for (auto & la : params.lora_adapters) {
+        la.ptr = llama_adapter_lora_init(model, la.path.c_str());
+        if (la.ptr == nullptr) {
+            fprintf(stderr, "pybmoe-logits: failed to load the LoRA adapter %s\n", la.path.c_str());
+            return 1;
+        }
+    }
+    if (!params.lora_adapters.empty()) {
+        common_set_adapter_lora(ctx, params.lora_adapters);
+    }
     const llama_vocab * vocab = llama_model_get_vocab(model);
     const int n_vocab = llama_vocab_n_tokens(vocab);
 
