@@ -22,14 +22,15 @@ PROMPT = ("The expert cache keeps the experts that were used most recently on th
           "host computes the rest; a verify batch checks several drafted tokens at once.")
 N_PREDICT = 6
 MAX_BATCH = 32
-# small: 2 blocks, 8 experts, top-3 (slots 1, 2, 3, 4, 8)
+# small: 2 blocks (qwen35moe: 3, one of them the MTP block), 8 experts, top-3 (slots 1, 2, 3, 4, 8)
 SHAPE = dict(n_layer=2, n_expert=8, n_expert_used=3)
+N_LAYER = {"qwen35moe": 3}
 ARCHS = [a for a in ("qwen3moe", "gpt-oss", "gemma4", "deepseek2", "qwen35moe") if a in models.ARCHES]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_model(request) -> Path:
-    return models.cached_model_path(models.ModelSpec(arch=request.param, **SHAPE))
+    return models.cached_model_path(models.ModelSpec(arch=request.param, **{**SHAPE, "n_layer": N_LAYER.get(request.param, 2)}))
 
 
 def _run(model: Path, rpc, tmp: Path, ub: int, extra: list[str], name: str) -> tuple[bytes, str, dict[int, tuple[int, int]]]:
