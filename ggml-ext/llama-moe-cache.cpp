@@ -644,13 +644,15 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         return -1;
     }
 
-    // Vulkan's MUL_MAT_ID miscomputes duplicate expert ids from 32 tokens on (test-backend-ops dup=pair
-    // cases on lavapipe, docs/backends.md), and every miss of a token maps to the one dummy slot
+    // Vulkan: duplicate expert ids are exact at any batch with patch 0013, but on lavapipe with
+    // GGML_VK_DISABLE_FUSION the first decode after a cached ubatch of 32 tokens crashes in the driver
+    // (docs/backends.md; cause not found, ubatches of up to 31 tokens run), so the cache serves at most
+    // 16 tokens there
     constexpr int32_t vk_max_batch = 16;
     for (const auto & [buft, ils] : by_buft) {
         if (mc->max_batch > vk_max_batch && strncmp(ggml_backend_buft_name(buft), "Vulkan", 6) == 0) {
-            LLAMA_LOG_WARN("%s: moe-cache: WARNING %s: Vulkan's MUL_MAT_ID is not exact with duplicate expert ids at 32+ "
-                    "tokens; the cache serves ubatches of at most %d tokens (asked: %d)\n", __func__,
+            LLAMA_LOG_WARN("%s: moe-cache: WARNING %s: the cache serves ubatches of at most %d tokens on Vulkan "
+                    "(asked: %d; larger cached ubatches are not verified there, docs/backends.md)\n", __func__,
                     ggml_backend_buft_name(buft), vk_max_batch, mc->max_batch);
             mc->max_batch = vk_max_batch;
         }
