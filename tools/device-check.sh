@@ -5,6 +5,8 @@
 #
 # 1. builds the CUDA backend (sm_90, FlashAttention kernels off to save build time) from the
 #    carried patched tree, with pybmoe's ggml-ext;
+#    patches/candidates/*.patch are applied on top (the CUDA duplicate-id fixes, unverified until
+#    this runs; PYBMOE_CANDIDATES=0 leaves them out);
 # 2. test-backend-ops on CUDA0 for MUL_MAT_ID (the op of the cache's device chain) including the
 #    duplicate-expert-id cases (-p dup=, a table per type), and the
 #    skip-table guard (CUDA0 must refuse a MUL_MAT_ID with a skip table);
@@ -20,12 +22,23 @@ ARCH=${CUDA_ARCH:-90}
 SRC=/tmp/pybmoe-llama-src
 t0=$(date +%s)
 rm -rf "$SRC" && mkdir -p "$SRC" && tar -C "$SRC" -xJf build/device/llama-src.tar.xz
+: > "$OUT/summary.txt"
+# candidate patches not yet in the series (verified here first): CUDA MUL_MAT_ID with duplicate ids.
+# PYBMOE_CANDIDATES=0 builds the series alone (the dup-id cases are then expected to fail on CUDA).
+for c in patches/candidates/*.patch; do
+    [ "${PYBMOE_CANDIDATES:-1}" = 1 ] && [ -f "$c" ] || continue
+    if (cd "$SRC/llama.cpp" && git apply "$OLDPWD/$c"); then
+        echo "candidate applied: $(basename "$c")" | tee -a "$OUT/summary.txt"
+    else
+        echo "candidate does NOT apply: $(basename "$c")" | tee -a "$OUT/summary.txt"
+    fi
+done
 cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DPYBMOE_LLAMA_CPP_DIR="$SRC/llama.cpp" \
       -DGGML_CUDA=ON -DGGML_CUDA_FA=OFF -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DGGML_NATIVE=OFF \
       > "$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
 cmake --build build/cuda -j"$(nproc)" --target test-backend-ops pybmoe-logits pybmoe-test-skip \
       > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s" | tee "$OUT/summary.txt"
+echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
 BIN=build/cuda/bin
 
 timeout 200 "$BIN/test-backend-ops" -b CUDA0 -o MUL_MAT_ID > "$OUT/test-backend-ops.txt" 2>&1
