@@ -362,6 +362,12 @@ bool llama_moe_is_moe_layer(const llama_layer & layer) {
     return layer.ffn_gate_inp && (layer.ffn_up_exps || layer.ffn_gate_up_exps);
 }
 
+// the CUDA backend, also built for AMD GPUs (HIP: buffer types named ROCm*)
+static bool llama_moe_is_cuda(ggml_backend_buffer_type_t buft) {
+    const char * name = ggml_backend_buft_name(buft);
+    return strncmp(name, "CUDA", 4) == 0 || strncmp(name, "ROCm", 4) == 0;
+}
+
 bool llama_moe_buft_is_host(ggml_backend_buffer_type_t buft) {
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
     return dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU || ggml_backend_buft_is_host(buft);
@@ -609,6 +615,18 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
                     ggml_backend_buft_name(rbuft))].push_back(il);
             continue;
         }
+        if (llama_moe_is_cuda(rbuft)) {
+            bool quantized = true;
+            for (int p = 0; p < n_proj; ++p) {
+                quantized = quantized && ggml_is_quantized(exps[p]->type);
+            }
+            if (!quantized) {
+                not_cached[format("%s experts on %s would run the MMF kernels, which are not exact with duplicate expert "
+                        "ids yet (docs/backends.md, CUDA)", ggml_type_name(exps[0]->type),
+                        ggml_backend_buft_name(rbuft))].push_back(il);
+                continue;
+            }
+        }
         bool ok = true;
         for (int p = 0; p < n_proj; ++p) {
             ok = ok && mc->sources.count(ggml_get_name(exps[p])) && exps[p]->ne[2] == n_expert;
@@ -655,6 +673,19 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
                     "(asked: %d; larger cached ubatches are not verified there, docs/backends.md)\n", __func__,
                     ggml_backend_buft_name(buft), vk_max_batch, mc->max_batch);
             mc->max_batch = vk_max_batch;
+        }
+    }
+
+    // CUDA/HIP: MUL_MAT_ID is exact with duplicate ids only on the mat-vec path (mmvq), which quantized
+    // experts take up to 4..8 tokens depending on type and GPU (get_mmvq_mmid_max_batch); MMQ and MMF are
+    // not (docs/backends.md; patches/candidates/cuda-mul-mat-id-duplicate-ids.patch awaits a GPU run)
+    constexpr int32_t cuda_max_batch = 4;
+    for (const auto & [buft, ils] : by_buft) {
+        if (mc->max_batch > cuda_max_batch && llama_moe_is_cuda(buft)) {
+            LLAMA_LOG_WARN("%s: moe-cache: WARNING %s: the cache serves ubatches of at most %d tokens on CUDA (asked: %d; "
+                    "larger ones would run MUL_MAT_ID kernels that are not exact with duplicate expert ids yet, "
+                    "docs/backends.md)\n", __func__, ggml_backend_buft_name(buft), cuda_max_batch, mc->max_batch);
+            mc->max_batch = cuda_max_batch;
         }
     }
 
