@@ -553,6 +553,9 @@ class ArchDef:
     add_kvs: Callable[["ModelSpec", Any], None]
     init: Callable[[str, tuple[int, ...], np.random.Generator], np.ndarray | None] | None = None
     validate: Callable[["ModelSpec"], None] | None = None
+    #: ``(head_count_kv, key_length, value_length)`` for the shared attention keys, when the
+    #: architecture defines them otherwise than ``(n_head_kv, head_dim, head_dim)`` (deepseek2's MLA)
+    attention_lengths: Callable[["ModelSpec"], tuple[int, int, int]] | None = None
     moe: bool = True
     doc: str = ""
 
@@ -608,9 +611,12 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, *, vocab_path: str | o
         w.add_block_count(spec.n_layer)
         ARCHES[arch].add_kvs(spec, w)
         w.add_head_count(spec.n_head)
-        w.add_head_count_kv(spec.n_head_kv)
-        w.add_key_length(spec.head_dim)
-        w.add_value_length(spec.head_dim)
+        lengths = ARCHES[arch].attention_lengths
+        n_head_kv, key_length, value_length = (lengths(spec) if lengths is not None
+                                               else (spec.n_head_kv, spec.head_dim, spec.head_dim))
+        w.add_head_count_kv(n_head_kv)
+        w.add_key_length(key_length)
+        w.add_value_length(value_length)
         w.add_rope_freq_base(ROPE_FREQ_BASE)
         w.add_layer_norm_rms_eps(RMS_EPS)
         for kv in kvs:

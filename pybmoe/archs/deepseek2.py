@@ -77,10 +77,9 @@ of the ``n_group_used`` kept groups (more than that would pick masked ``-inf`` e
 Metadata follows llama.cpp's converter for MLA (``conversion/deepseek.py:325-353``): the KV cache
 is MQA with one latent head, so ``attention.head_count_kv = 1``, ``attention.key_length =
 kv_lora_rank + n_rot`` and ``attention.value_length = kv_lora_rank``; the per-head sizes go to
-``key_length_mla`` / ``value_length_mla``. :func:`pybmoe.models.write_model` writes the shared
-``head_count_kv`` / ``key_length`` / ``value_length`` keys from the spec (``n_head_kv``,
-``head_dim``) after this architecture's keys, so :func:`_kvs` pins those three keys to the MLA
-values on the writer (:func:`_pin_keys`); ``n_head_kv`` is used only for ``kv_lora_rank``.
+``key_length_mla`` / ``value_length_mla``. :func:`pybmoe.models.write_model` writes those three
+shared keys from :func:`_attention_lengths` (``ArchDef.attention_lengths``) instead of the spec's
+``n_head_kv`` / ``head_dim``; ``n_head_kv`` is used only for ``kv_lora_rank``.
 
 Weights: :func:`pybmoe.models.write_model`'s defaults (normal, std ``1/sqrt(ne0)``; norms 1; the
 router ``2/sqrt(n_embd)``), except ``exp_probs_b``: per layer, the ``n_expert`` values
@@ -105,7 +104,6 @@ What the pinned llama.cpp (``vendor/src/llama_cpp_python-0.3.36/vendor/llama.cpp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -238,20 +236,6 @@ def _plan(spec: ModelSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], QT]
     return plan
 
 
-def _pin_keys(w: "gguf.GGUFWriter", values: dict[str, tuple[Any, VT]]) -> None:
-    """Write ``values`` (key -> (value, type)) and keep them: later writes of these keys on ``w``
-    (e.g. write_model's shared ``head_count_kv``) are dropped."""
-    add = w.add_key_value
-
-    def add_key_value(key: str, val: Any, vtype: VT, sub_type: VT | None = None) -> None:
-        if key not in values:
-            add(key, val, vtype, sub_type=sub_type)
-
-    w.add_key_value = add_key_value  # type: ignore[method-assign]  # this writer only
-    for key, (val, vtype) in values.items():
-        add(key, val, vtype)
-
-
 def _put_u32(w: "gguf.GGUFWriter", method: str, suffix: str, value: int) -> None:
     """``w.<method>(value)``, or the raw ``<arch>.<suffix>`` UINT32 key on a gguf without the method."""
     fn = getattr(w, method, None)
@@ -284,12 +268,13 @@ def _kvs(spec: ModelSpec, w: "gguf.GGUFWriter") -> None:
     if hp.n_expert_groups:
         _put_u32(w, "add_expert_group_count", "expert_group_count", hp.n_expert_groups)
         _put_u32(w, "add_expert_group_used_count", "expert_group_used_count", hp.n_group_used)
-    # MLA runs as MQA over the latent: one KV head of kv_lora_rank + n_rot (conversion/deepseek.py:325-351)
-    _pin_keys(w, {
-        gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=w.arch): (1, VT.UINT32),
-        gguf.Keys.Attention.KEY_LENGTH.format(arch=w.arch): (hp.kv_lora_rank + hp.n_rot, VT.UINT32),
-        gguf.Keys.Attention.VALUE_LENGTH.format(arch=w.arch): (hp.kv_lora_rank, VT.UINT32),
-    })
+
+
+def _attention_lengths(spec: ModelSpec) -> tuple[int, int, int]:
+    """MLA runs as MQA over the latent: one KV head of ``kv_lora_rank + n_rot`` keys and
+    ``kv_lora_rank`` values (conversion/deepseek.py:325-351)."""
+    hp = hparams(spec)
+    return 1, hp.kv_lora_rank + hp.n_rot, hp.kv_lora_rank
 
 
 def exp_probs_b_values(n_expert: int, rng: np.random.Generator) -> np.ndarray:
@@ -306,7 +291,7 @@ def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nda
 
 
 register_arch(ArchDef(
-    ARCH, _plan, _kvs, init=_init, validate=_validate,
+    ARCH, _plan, _kvs, init=_init, validate=_validate, attention_lengths=_attention_lengths,
     doc="DeepSeek-V2/V3: MLA attention, 1 leading dense layer, 1 shared expert, sigmoid router with "
         "exp_probs_b selection bias, grouped top-k, scaled normalized weights",
 ))
