@@ -103,6 +103,9 @@ struct llama_moe_cache_layer {
 
     // companions: device (router's buffer type) and host
     ggml_tensor * slots[LLAMA_MOE_N_PROJ] = {}; // [ne0, ne1, n_phys + 1]
+    int n_bias = 0;                                      // llama_moe_bias_list
+    const ggml_tensor * bias_host[LLAMA_MOE_N_PROJ] = {}; // the model's expert biases
+    ggml_tensor       * bias_dev [LLAMA_MOE_N_PROJ] = {}; // their copies next to the slots
     ggml_tensor * dev_table  = nullptr;         // I32 [1, n_expert]
     ggml_tensor * host_table = nullptr;         // I32 [n_expert]
     ggml_tensor * observed   = nullptr;         // I32 [n_used * max_batch], -1 = not written
@@ -360,6 +363,19 @@ void llama_moe_log_once(const char * key, const char * fmt, ...) {
 // replay all take their layers from this test
 bool llama_moe_is_moe_layer(const llama_layer & layer) {
     return layer.ffn_gate_inp && (layer.ffn_up_exps || layer.ffn_gate_up_exps);
+}
+
+// the per-expert biases the device chain adds (add_id with the original ids) before the down projection:
+// up, gate, fused gate_up; a device copy of each keeps that chain on the device (the down bias is added
+// after the two chains are summed, by build_moe_ffn)
+static int llama_moe_bias_list(const llama_layer & layer, const ggml_tensor * out[LLAMA_MOE_N_PROJ]) {
+    int n = 0;
+    for (const ggml_tensor * b : { layer.ffn_up_exps_b, layer.ffn_gate_exps_b, layer.ffn_gate_up_exps_b }) {
+        if (b != nullptr && n < LLAMA_MOE_N_PROJ) {
+            out[n++] = b;
+        }
+    }
+    return n;
 }
 
 // the CUDA backend, also built for AMD GPUs (HIP: buffer types named ROCm*)
@@ -708,8 +724,13 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
             continue;
         }
         double per_slot = 0.0; // MiB of one slot in every layer on this device
+        double fixed    = 0.0; // MiB of the bias copies of every layer on this device
         for (int il : ils) {
             const auto & layer = model->layers[il];
+            const ggml_tensor * bias[LLAMA_MOE_N_PROJ] = {};
+            for (int b = 0, nb = llama_moe_bias_list(layer, bias); b < nb; ++b) {
+                fixed += ggml_nbytes(bias[b]) / 1024.0 / 1024.0;
+            }
             const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
             const int n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
                                                    layer.ffn_gate_up_exps, exps);
@@ -717,7 +738,7 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
                 per_slot += exps[p]->nb[2] / 1024.0 / 1024.0;
             }
         }
-        auto fits = [&](int32_t c, double budget) { return (c + stage_for(c) + 1) * per_slot <= budget; };
+        auto fits = [&](int32_t c, double budget) { return (c + stage_for(c) + 1) * per_slot + fixed <= budget; };
         ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
         size_t free = 0, total = 0;
         ggml_backend_dev_memory(dev, &free, &total);
@@ -733,9 +754,10 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
                 }
             }
             LLAMA_LOG_ERROR("%s: moe-cache: %d slots/layer need %.1f MiB on %s (%zu layers x (%d slots + %d staging + 1 zero) "
-                    "x %.3f MiB), but it has %.0f MiB free%s and --moe-expert-cache-floor-mb keeps %d MiB free; %s\n",
-                    __func__, s, (s + stage_for(s) + 1) * per_slot, ggml_backend_buft_name(buft), ils.size(), s,
-                    stage_for(s), per_slot / ils.size(), free / 1024.0 / 1024.0,
+                    "x %.3f MiB%s), but it has %.0f MiB free%s and --moe-expert-cache-floor-mb keeps %d MiB free; %s\n",
+                    __func__, s, (s + stage_for(s) + 1) * per_slot + fixed, ggml_backend_buft_name(buft), ils.size(), s,
+                    stage_for(s), per_slot / ils.size(),
+                    fixed > 0 ? format(" + %.2f MiB of expert biases", fixed).c_str() : "", free / 1024.0 / 1024.0,
                     reserve_mib > 0 ? format(" (%.0f MiB set aside for contexts)", reserve_mib).c_str() : "", floor_mib,
                     most > 0 ? format("at most %d slots/layer fit (or use auto)", most).c_str()
                              : "the device is too small for even one slot per layer");
@@ -780,7 +802,7 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         // breakdown sizes from its context (as for the probe's own weights)
         for (const auto & [buft, ils] : by_buft) {
             const int32_t dev_slots = slots_of.at(buft);
-            ggml_init_params params = { ils.size() * (LLAMA_MOE_N_PROJ + 1) * ggml_tensor_overhead(), nullptr, true };
+            ggml_init_params params = { ils.size() * (2 * LLAMA_MOE_N_PROJ + 1) * ggml_tensor_overhead(), nullptr, true };
             ggml_context_ptr ctx { ggml_init(params) };
             for (int il : ils) {
                 const auto & layer = model->layers[il];
@@ -790,6 +812,10 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
                 for (int p = 0; p < n_proj; ++p) {
                     const ggml_tensor * t = exps[p];
                     ggml_new_tensor_3d(ctx.get(), t->type, t->ne[0], t->ne[1], dev_slots + stage_for(dev_slots) + 1);
+                }
+                const ggml_tensor * bias[LLAMA_MOE_N_PROJ] = {};
+                for (int b = 0, nb = llama_moe_bias_list(layer, bias); b < nb; ++b) {
+                    ggml_dup_tensor(ctx.get(), bias[b]);
                 }
                 ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_expert);
             }
@@ -827,7 +853,7 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         const int32_t dev_slots = slots_of.at(buft);
         const int32_t n_stage   = stage_for(dev_slots);
         ggml_init_params params = {
-            /*.mem_size   =*/ ils.size() * (LLAMA_MOE_N_PROJ + 1) * ggml_tensor_overhead(),
+            /*.mem_size   =*/ ils.size() * (2 * LLAMA_MOE_N_PROJ + 1) * ggml_tensor_overhead(),
             /*.mem_buffer =*/ nullptr,
             /*.no_alloc   =*/ true,
         };
@@ -852,6 +878,11 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
                 // use (SYCL's reorder, patch 0011) skip tensors named so, since their slices are rewritten
                 ggml_format_name(l.slots[p], "blk.%d.ffn_%s_exps.cache", il, names[p]);
             }
+            l.n_bias = llama_moe_bias_list(layer, l.bias_host);
+            for (int b = 0; b < l.n_bias; ++b) {
+                l.bias_dev[b] = ggml_dup_tensor(ctx.get(), l.bias_host[b]);
+                ggml_format_name(l.bias_dev[b], "%s.cache", ggml_get_name(l.bias_host[b]));
+            }
             l.dev_table = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_expert);
             ggml_format_name(l.dev_table, "blk.%d.ffn_exps.cache_table", il);
             l.table.assign(n_expert, l.n_phys);
@@ -871,6 +902,15 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         }
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         ggml_backend_buffer_clear(buf, 0); // every slot, including the dummy slot, computes exact zeros
+        std::vector<uint8_t> bias_bytes;   // the bias copies: the model's values, once
+        for (size_t li = mc->layers.size() - ils.size(); li < mc->layers.size(); ++li) {
+            const auto & l = mc->layers[li];
+            for (int b = 0; b < l.n_bias; ++b) {
+                bias_bytes.resize(ggml_nbytes(l.bias_host[b]));
+                ggml_backend_tensor_get(l.bias_host[b], bias_bytes.data(), 0, bias_bytes.size());
+                ggml_backend_tensor_set(l.bias_dev[b], bias_bytes.data(), 0, bias_bytes.size());
+            }
+        }
         mc->alloc_bytes += ggml_backend_buffer_get_size(buf);
         budgets += format("%s%s:%.2f", budgets.empty() ? "" : ",", ggml_backend_buft_name(buft),
                 ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
@@ -1181,6 +1221,11 @@ ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, 
             memcpy(r->op_params, t->op_params, sizeof(r->op_params));
             for (int i = 0; i < GGML_MAX_SRC; ++i) {
                 r->src[i] = t->src[i] ? clone(t->src[i]) : nullptr;
+                for (int b = 0; b < l->n_bias; ++b) {
+                    if (r->src[i] == l->bias_host[b]) {
+                        r->src[i] = l->bias_dev[b]; // the copy next to the slots: the chain stays on the device
+                    }
+                }
             }
         }
         ggml_format_name(r, "%.48s-cache", t->name);

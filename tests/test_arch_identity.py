@@ -107,3 +107,24 @@ def test_draft_mtp_speculation_shares_the_cache(rpc):
     rec = engine.cache_record(log)
     assert rec["layers"] == 4  # 3 trunk MoE blocks + the MTP block (block_count 4)
     assert rec["max_batch"] >= 4 and rec["steps"] > 0
+
+
+def test_the_device_chain_adds_its_biases_on_the_device(rpc, tmp_path):
+    """gpt-oss: the device chain's add_id of the up/gate biases reads the cache's device copies of
+    the biases, so the scheduler keeps it on the device (with the model's host biases it would run
+    on the CPU, with two copies each way per layer). Checked on the scheduler's node assignments."""
+    import os
+    model = models.cached_model_path(models.ModelSpec(arch="gpt-oss", **SHAPE))
+    out = tmp_path / "l.bin"
+    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model), "-p", "Hello",
+           "-n", "2", "-c", "256", "-t", "2", "--fit", "off", *engine.host_experts_args(rpc.endpoint),
+           *engine.cache_args(4), "-v"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "GGML_SCHED_DEBUG": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    # "node #117 (    ADD_ID): ffn_moe_gate_biased- (3K) [RPC0[ ...] ...:  ffn_moe_gate-1-cache (3K) [RPC0[..."
+    adds = [l[l.index("node #"):] for l in (r.stdout + r.stderr).splitlines() if "node #" in l and "ADD_ID)" in l]
+    on_cache = [l for l in adds if "-cache (" in l.split("):", 1)[1].split("]", 1)[1]]
+    assert on_cache, "\n".join(adds)
+    # the node's own backend is the first [...] of the line
+    assert all(l.split("[", 1)[1].startswith("RPC0") for l in on_cache), "\n".join(on_cache)
+    assert len(on_cache) % (2 * SHAPE["n_layer"]) == 0  # up and gate, every layer, in every graph printed
