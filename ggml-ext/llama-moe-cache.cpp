@@ -33,6 +33,7 @@
 namespace {
 
 constexpr int LLAMA_MOE_N_PROJ = 3; // the most expert tensors a layer has: up, gate, down (or gate_up, down)
+constexpr int LLAMA_MOE_N_BIAS = 4; // the most expert biases a layer has: up, gate, gate_up, down
 
 // the expert tensors a layer multiplies by, in graph order, and their slot-name stems: {up, gate, down},
 // {up, down} without a gate, or {gate_up, down} when fused; returns how many (0: not an expert layer)
@@ -104,8 +105,8 @@ struct llama_moe_cache_layer {
     // companions: device (router's buffer type) and host
     ggml_tensor * slots[LLAMA_MOE_N_PROJ] = {}; // [ne0, ne1, n_phys + 1]
     int n_bias = 0;                                      // llama_moe_bias_list
-    const ggml_tensor * bias_host[LLAMA_MOE_N_PROJ] = {}; // the model's expert biases
-    ggml_tensor       * bias_dev [LLAMA_MOE_N_PROJ] = {}; // their copies next to the slots
+    const ggml_tensor * bias_host[LLAMA_MOE_N_BIAS] = {}; // the model's expert biases
+    ggml_tensor       * bias_dev [LLAMA_MOE_N_BIAS] = {}; // their copies next to the slots
     ggml_tensor * dev_table  = nullptr;         // I32 [1, n_expert]
     ggml_tensor * host_table = nullptr;         // I32 [n_expert]
     ggml_tensor * observed   = nullptr;         // I32 [n_used * max_batch], -1 = not written
@@ -365,13 +366,13 @@ bool llama_moe_is_moe_layer(const llama_layer & layer) {
     return layer.ffn_gate_inp && (layer.ffn_up_exps || layer.ffn_gate_up_exps);
 }
 
-// the per-expert biases the device chain adds (add_id with the original ids) before the down projection:
-// up, gate, fused gate_up; a device copy of each keeps that chain on the device (the down bias is added
-// after the two chains are summed, by build_moe_ffn)
-static int llama_moe_bias_list(const llama_layer & layer, const ggml_tensor * out[LLAMA_MOE_N_PROJ]) {
+// the per-expert biases of a cached layer (add_id with the original ids): up, gate or fused gate_up,
+// which the device chain adds before the down projection, and down, which build_moe_ffn adds once after
+// the two chains are summed (llama_moe_cache_bias); a device copy of each keeps that work on the device
+static int llama_moe_bias_list(const llama_layer & layer, const ggml_tensor * out[LLAMA_MOE_N_BIAS]) {
     int n = 0;
-    for (const ggml_tensor * b : { layer.ffn_up_exps_b, layer.ffn_gate_exps_b, layer.ffn_gate_up_exps_b }) {
-        if (b != nullptr && n < LLAMA_MOE_N_PROJ) {
+    for (const ggml_tensor * b : { layer.ffn_up_exps_b, layer.ffn_gate_exps_b, layer.ffn_gate_up_exps_b, layer.ffn_down_exps_b }) {
+        if (b != nullptr && n < LLAMA_MOE_N_BIAS) {
             out[n++] = b;
         }
     }
@@ -727,7 +728,7 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         double fixed    = 0.0; // MiB of the bias copies of every layer on this device
         for (int il : ils) {
             const auto & layer = model->layers[il];
-            const ggml_tensor * bias[LLAMA_MOE_N_PROJ] = {};
+            const ggml_tensor * bias[LLAMA_MOE_N_BIAS] = {};
             for (int b = 0, nb = llama_moe_bias_list(layer, bias); b < nb; ++b) {
                 fixed += ggml_nbytes(bias[b]) / 1024.0 / 1024.0;
             }
@@ -802,7 +803,7 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         // breakdown sizes from its context (as for the probe's own weights)
         for (const auto & [buft, ils] : by_buft) {
             const int32_t dev_slots = slots_of.at(buft);
-            ggml_init_params params = { ils.size() * (2 * LLAMA_MOE_N_PROJ + 1) * ggml_tensor_overhead(), nullptr, true };
+            ggml_init_params params = { ils.size() * (LLAMA_MOE_N_PROJ + LLAMA_MOE_N_BIAS + 1) * ggml_tensor_overhead(), nullptr, true };
             ggml_context_ptr ctx { ggml_init(params) };
             for (int il : ils) {
                 const auto & layer = model->layers[il];
@@ -813,7 +814,7 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
                     const ggml_tensor * t = exps[p];
                     ggml_new_tensor_3d(ctx.get(), t->type, t->ne[0], t->ne[1], dev_slots + stage_for(dev_slots) + 1);
                 }
-                const ggml_tensor * bias[LLAMA_MOE_N_PROJ] = {};
+                const ggml_tensor * bias[LLAMA_MOE_N_BIAS] = {};
                 for (int b = 0, nb = llama_moe_bias_list(layer, bias); b < nb; ++b) {
                     ggml_dup_tensor(ctx.get(), bias[b]);
                 }
@@ -853,7 +854,7 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         const int32_t dev_slots = slots_of.at(buft);
         const int32_t n_stage   = stage_for(dev_slots);
         ggml_init_params params = {
-            /*.mem_size   =*/ ils.size() * (2 * LLAMA_MOE_N_PROJ + 1) * ggml_tensor_overhead(),
+            /*.mem_size   =*/ ils.size() * (LLAMA_MOE_N_PROJ + LLAMA_MOE_N_BIAS + 1) * ggml_tensor_overhead(),
             /*.mem_buffer =*/ nullptr,
             /*.no_alloc   =*/ true,
         };
@@ -1152,6 +1153,15 @@ struct llama_moe_chain {
 
 } // namespace
 
+ggml_tensor * llama_moe_cache_bias(const llama_moe_cache_layer * l, ggml_tensor * bias) {
+    for (int b = 0; l != nullptr && b < l->n_bias; ++b) {
+        if (l->bias_host[b] == bias) {
+            return l->bias_dev[b];
+        }
+    }
+    return bias;
+}
+
 ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_cache_layer * l,
                                           ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * out_h) {
     llama_moe_chain ch = { l, { inp, inp->src[0], selected }, {}, {} };
@@ -1220,12 +1230,8 @@ ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, 
             r->op = t->op;
             memcpy(r->op_params, t->op_params, sizeof(r->op_params));
             for (int i = 0; i < GGML_MAX_SRC; ++i) {
-                r->src[i] = t->src[i] ? clone(t->src[i]) : nullptr;
-                for (int b = 0; b < l->n_bias; ++b) {
-                    if (r->src[i] == l->bias_host[b]) {
-                        r->src[i] = l->bias_dev[b]; // the copy next to the slots: the chain stays on the device
-                    }
-                }
+                // a bias from its copy next to the slots: the chain stays on the device
+                r->src[i] = t->src[i] ? llama_moe_cache_bias(l, clone(t->src[i])) : nullptr;
             }
         }
         ggml_format_name(r, "%.48s-cache", t->name);

@@ -192,6 +192,10 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
 ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_cache_layer * l,
                                           ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * out_h);
 
+// the device copy of a cached layer's expert bias (up, gate, gate_up or down), or `bias` itself when
+// `l` is nullptr or has none: build_moe_ffn adds the down bias from it, once, after the split's sum
+ggml_tensor * llama_moe_cache_bias(const llama_moe_cache_layer * l, ggml_tensor * bias);
+
 // around each ubatch's graph: before_ubatch marks a graph in flight; after_ubatch (ubatch nullptr when
 // the graph failed) waits for it, accounts its routing (and writes trace rows), publishes the uploads
 // started after the previous ubatch and starts new ones. Tables change only there.

@@ -110,9 +110,10 @@ def test_draft_mtp_speculation_shares_the_cache(rpc):
 
 
 def test_the_device_chain_adds_its_biases_on_the_device(rpc, tmp_path):
-    """gpt-oss: the device chain's add_id of the up/gate biases reads the cache's device copies of
-    the biases, so the scheduler keeps it on the device (with the model's host biases it would run
-    on the CPU, with two copies each way per layer). Checked on the scheduler's node assignments."""
+    """gpt-oss: the device chain's add_id of the up/gate biases, and the down bias after the sum,
+    read the cache's device copies of the biases, so the scheduler keeps them on the device (with
+    the model's host biases they would run on the CPU, with copies each way per layer). Checked on
+    the scheduler's node assignments."""
     import os
     model = models.cached_model_path(models.ModelSpec(arch="gpt-oss", **SHAPE))
     out = tmp_path / "l.bin"
@@ -128,3 +129,6 @@ def test_the_device_chain_adds_its_biases_on_the_device(rpc, tmp_path):
     # the node's own backend is the first [...] of the line
     assert all(l.split("[", 1)[1].startswith("RPC0") for l in on_cache), "\n".join(on_cache)
     assert len(on_cache) % (2 * SHAPE["n_layer"]) == 0  # up and gate, every layer, in every graph printed
+    # the down bias, added once after the two chains' sum, from its copy too
+    down = [l for l in adds if "ffn_moe_down_biased" in l.split("):", 1)[1].split("(", 1)[0]]
+    assert down and all(l.split("[", 1)[1].startswith("RPC0") for l in down), "\n".join(down)
