@@ -882,7 +882,7 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
             l.n_bias = llama_moe_bias_list(layer, l.bias_host);
             for (int b = 0; b < l.n_bias; ++b) {
                 l.bias_dev[b] = ggml_dup_tensor(ctx.get(), l.bias_host[b]);
-                ggml_format_name(l.bias_dev[b], "%s.cache", ggml_get_name(l.bias_host[b]));
+                ggml_format_name(l.bias_dev[b], "%s.cache_copy", ggml_get_name(l.bias_host[b])); // not ".cache": written once, SYCL may reorder it
             }
             l.dev_table = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_expert);
             ggml_format_name(l.dev_table, "blk.%d.ffn_exps.cache_table", il);
