@@ -5,8 +5,9 @@ cache.
 
 The variants: qwen3moe (separate gate/up/down, SiLU), gpt-oss (per-expert biases through add_id,
 swiglu_oai), gemma4 (fused gate_up, GEGLU, per-expert down scale, shared expert), deepseek2 (shared
-expert, expert groups, selection bias), qwen35moe (fused gate_up, shared expert, an MTP block).
-Every run also checks that the cache served every MoE layer of every ubatch (hits + misses), so a
+expert, expert groups, selection bias), qwen35moe (hybrid gated-delta-net, shared expert with a
+gate, an MTP block).
+Every run also checks that the cache served the layers and every prompt ubatch (hits + misses), so a
 variant that fell back to the stock graph cannot pass as "identical".
 """
 from __future__ import annotations
