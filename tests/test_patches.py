@@ -125,10 +125,10 @@ def test_rebase_onto_the_pinned_version_is_all_clean(tmp_path, pin, sdist, fake_
                          capture_output=True, text=True).stdout.splitlines()
     assert len(log) == len(rows)
     # exporting the rebased tree reproduces the series byte for byte
-    before = {p.name: p.read_bytes() for p in (root / "patches").iterdir()}
+    before = {p.name: p.read_bytes() for p in (root / "patches").iterdir() if p.is_file()}
     r = _cli(root, "export", "--from", str(tree))
     assert r.returncode == 0, r.stderr
-    assert {p.name: p.read_bytes() for p in (root / "patches").iterdir()} == before
+    assert {p.name: p.read_bytes() for p in (root / "patches").iterdir() if p.is_file()} == before
     # a second rebase does not clobber the tree
     r = _cli(root, "rebase", "--onto", str(sdist))
     assert r.returncode == 2 and "--force" in r.stderr

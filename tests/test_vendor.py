@@ -58,11 +58,11 @@ diff --git a/vendor/llama.cpp/src/llama.cpp b/vendor/llama.cpp/src/llama.cpp
 
 def test_series_applies_and_export_is_a_noop(tmp_path, fake_root):
     root = fake_root()
-    before = {p.name: p.read_bytes() for p in (root / "patches").iterdir()}
+    before = {p.name: p.read_bytes() for p in (root / "patches").iterdir() if p.is_file()}
     llama_dir = vendor.ensure_tree(root, log=lambda *_: None)
     assert (llama_dir / "ggml" / "src" / "ggml-cpu" / "ggml-cpu.c").is_file()
     names = patches.export(root)
-    after = {p.name: p.read_bytes() for p in (root / "patches").iterdir()}
+    after = {p.name: p.read_bytes() for p in (root / "patches").iterdir() if p.is_file()}
     assert names == [n for n in before if n.endswith(".patch")] or sorted(names) == sorted(
         n for n in before if n.endswith(".patch"))
     assert after == before
