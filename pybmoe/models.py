@@ -52,6 +52,7 @@ import mmap
 import os
 import struct
 import secrets
+import shutil
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -447,6 +448,24 @@ def read_tensor(path: str | os.PathLike, info: TensorInfo) -> np.ndarray:
         dtype = np.uint8
         np_shape[-1] = np_shape[-1] // block * size
     return np.memmap(path, dtype=dtype, mode="r", offset=info.offset, shape=tuple(np_shape))
+
+
+def copy_with_tensor_values(src: str | os.PathLike, dst: str | os.PathLike, suffix: str, value: float) -> Path:
+    """Copy the model ``src`` to ``dst`` with every F32 tensor whose name ends in ``suffix`` set to
+    ``value`` (for tests that check a tensor is really read: a scale set to 1, a bias set to 0).
+
+    Raises :class:`ValueError` when no tensor matches or a match is not F32."""
+    dst = Path(shutil.copy(src, dst))
+    hits = [t for t in read_metadata(dst).tensors if t.name.endswith(suffix)]
+    if not hits or any(t.qtype != QT.F32 for t in hits):
+        raise ValueError(f"{src}: tensors ending in {suffix!r} must exist and be F32; got "
+                         f"{[(t.name, t.qtype.name) for t in hits]}")
+    for t in hits:
+        m = np.memmap(dst, dtype=np.float32, mode="r+", offset=t.offset, shape=tuple(reversed(t.shape)))
+        m[:] = value
+        m.flush()
+        del m
+    return dst
 
 
 @functools.lru_cache(maxsize=4)

@@ -7,8 +7,6 @@ device (bit-identical to the plain run).
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -29,13 +27,10 @@ def small(tmp_path_factory):
 
 def _logits(model, out, *extra):
     """Run pybmoe-logits on ``model``; return its log and the finite float32 logits it wrote."""
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model), "-p", "Hello there",
-           "-n", "8", "-c", "256", "-t", "2", "--fit", "off", *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    a = np.fromfile(out, dtype=np.float32)
+    run = engine.run_logits(model, out, list(extra), n_predict=8, timeout=120)
+    a = np.frombuffer(run.logits, dtype=np.float32)
     assert a.size and np.isfinite(a).all()
-    return r.stdout + r.stderr, a
+    return run.log, a
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +95,7 @@ def test_derived_shapes_and_validation():
 
 def test_generates_and_the_bias_routes(small, base_logits, tmp_path):
     # zero every exp_probs_b: the expert choice, hence the logits, must change
-    nob = tmp_path / "nobias.gguf"
-    shutil.copy(small, nob)
-    with open(nob, "r+b") as f:
-        for t in models.read_metadata(nob).tensors:
-            if t.name.endswith(".exp_probs_b.bias"):
-                f.seek(t.offset)
-                f.write(np.zeros(t.shape, np.float32).tobytes())
+    nob = models.copy_with_tensor_values(small, tmp_path / "nobias.gguf", ".exp_probs_b.bias", 0.0)
     _, unbiased = _logits(nob, tmp_path / "nobias.bin")
     assert unbiased.shape == base_logits.shape and not np.array_equal(unbiased, base_logits)
 

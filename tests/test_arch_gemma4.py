@@ -4,8 +4,6 @@ applies those scales and generates finite logits, alone and split with the exper
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -23,13 +21,9 @@ def model(tmp_path_factory):
 
 
 def _logits(model, tmp_path, name, extra=()):
-    out = tmp_path / f"{name}.bin"
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model), "-p", "Hello there",
-           "-n", "4", "-c", "256", "-t", "2", "--fit", "off", *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-3000:]}"
-    assert sum(ln.startswith("token ") for ln in r.stdout.splitlines()) == 4, r.stdout
-    return np.fromfile(out, dtype=np.float32), r.stdout + r.stderr
+    run = engine.run_logits(model, tmp_path / f"{name}.bin", list(extra), n_predict=4, timeout=120)
+    assert len(run.tokens) == 4, run.log[-3000:]
+    return np.frombuffer(run.logits, dtype=np.float32), run.log
 
 
 def test_tensors_and_keys_are_the_plan(model):
@@ -82,14 +76,7 @@ def test_generates_and_applies_the_down_scales(model, tmp_path):
     assert np.isfinite(logits).all() and logits.std() > 0
     # the same file with every down scale 1: llama.cpp loads ffn_down_exps.scale (an optional tensor,
     # so a wrong name would be silently ignored) and applies it, so the logits change
-    ones = tmp_path / "ones.gguf"
-    shutil.copy(model, ones)
-    for t in models.read_metadata(ones).tensors:
-        if t.name.endswith("ffn_down_exps.scale"):
-            m = np.memmap(ones, dtype=np.float32, mode="r+", offset=t.offset, shape=(8,))
-            m[:] = 1.0
-            m.flush()
-            del m
+    ones = models.copy_with_tensor_values(model, tmp_path / "ones.gguf", "ffn_down_exps.scale", 1.0)
     unscaled, _ = _logits(ones, tmp_path, "ones")
     assert np.isfinite(unscaled).all() and not np.array_equal(unscaled, logits)
 

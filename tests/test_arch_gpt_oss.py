@@ -4,8 +4,6 @@ applies those biases and generates finite logits, alone and split with the exper
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -24,13 +22,9 @@ def model(tmp_path_factory):
 
 
 def _logits(model, tmp_path, name, extra=()):
-    out = tmp_path / f"{name}.bin"
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model), "-p", "Hello there",
-           "-n", str(N_TOKENS), "-c", "256", "-t", "2", "--fit", "off", *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-3000:]}"
-    assert sum(ln.startswith("token ") for ln in r.stdout.splitlines()) == N_TOKENS, r.stdout
-    return np.fromfile(out, dtype=np.float32), r.stdout + r.stderr
+    run = engine.run_logits(model, tmp_path / f"{name}.bin", list(extra), n_predict=N_TOKENS, timeout=120)
+    assert len(run.tokens) == N_TOKENS, run.log[-3000:]
+    return np.frombuffer(run.logits, dtype=np.float32), run.log
 
 
 def test_tensors_and_keys_are_the_plan(model):
@@ -100,14 +94,7 @@ def test_generates_and_applies_the_expert_biases(model, tmp_path):
     assert logits.size and logits.size % n_vocab == 0  # n_vocab float32 per decode step
     assert np.isfinite(logits).all() and logits.std() > 0
     # the same file with every expert bias 0: llama.cpp adds them (ggml_add_id), so the logits change
-    zero = tmp_path / "zero.gguf"
-    shutil.copy(model, zero)
-    for t in models.read_metadata(zero).tensors:
-        if t.name.endswith("_exps.bias"):
-            m = np.memmap(zero, dtype=np.float32, mode="r+", offset=t.offset, shape=tuple(reversed(t.shape)))
-            m[:] = 0.0
-            m.flush()
-            del m
+    zero = models.copy_with_tensor_values(model, tmp_path / "zero.gguf", "_exps.bias", 0.0)
     unbiased, _ = _logits(zero, tmp_path, "zero")
     assert np.isfinite(unbiased).all() and not np.array_equal(unbiased, logits)
 

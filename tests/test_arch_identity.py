@@ -35,18 +35,10 @@ def arch_model(request) -> Path:
 
 
 def _run(model: Path, rpc, tmp: Path, ub: int, extra: list[str], name: str) -> tuple[bytes, str, dict[int, tuple[int, int]]]:
-    out = tmp / f"{name}.bin"
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model), "-p", PROMPT,
-           "-n", str(N_PREDICT), "-c", "512", "-b", "512", "-ub", str(ub), "-t", "2", "--fit", "off",
-           *engine.host_experts_args(rpc.endpoint), *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-3000:]}"
-    layers = {}
-    for line in r.stdout.splitlines():
-        if line.startswith("moe-cache-layer"):
-            _, il, h, m = line.split()
-            layers[int(il)] = (int(h), int(m))
-    return out.read_bytes(), r.stdout + r.stderr, layers
+    run = engine.run_logits(model, tmp / f"{name}.bin",
+                            ["-b", "512", "-ub", str(ub), *engine.host_experts_args(rpc.endpoint), *extra],
+                            prompt=PROMPT, n_predict=N_PREDICT, ctx=512)
+    return run.logits, run.log, run.layers
 
 
 @pytest.mark.parametrize("ub", [1, 2, 7, 8, 9, 16, 32])

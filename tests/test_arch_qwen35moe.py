@@ -6,7 +6,6 @@ llama-server's draft-mtp speculation (the MTP block drafts; greedy output must n
 """
 from __future__ import annotations
 
-import subprocess
 
 import numpy as np
 import pytest
@@ -79,13 +78,8 @@ def test_derived_defaults():
 @pytest.fixture(scope="module")
 def greedy(small, tmp_path_factory):
     """pybmoe-logits on the small model: (greedy token ids, logits as float32, stdout)."""
-    out = tmp_path_factory.mktemp("q35logits") / "logits.bin"
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(small), "-p", "Hello there",
-           "-n", "8", "-c", "256", "-t", "2", "--fit", "off"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    tokens = [int(ln.split()[1]) for ln in r.stdout.splitlines() if ln.startswith("token ")]
-    return tokens, np.fromfile(out, dtype=np.float32), r.stderr
+    run = engine.run_logits(small, tmp_path_factory.mktemp("q35logits") / "logits.bin", [], n_predict=8, timeout=120)
+    return run.tokens, np.frombuffer(run.logits, dtype=np.float32), run.log
 
 
 def test_generates(small, greedy):

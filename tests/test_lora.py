@@ -2,7 +2,6 @@
 graph), with one line saying so, and the output equals the cache off with the same adapter."""
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -38,12 +37,8 @@ def write_expert_lora(model: Path, out: Path, rank: int = RANK, alpha: float = 8
 
 
 def _run(model: Path, rpc, tmp: Path, extra: list[str], name: str) -> tuple[bytes, str]:
-    out = tmp / f"{name}.bin"
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model), "-p", "Hello there",
-           "-n", "12", "-c", "256", "-t", "2", "--fit", "off", *engine.host_experts_args(rpc.endpoint), *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-3000:]}"
-    return out.read_bytes(), r.stdout + r.stderr
+    run = engine.run_logits(model, tmp / f"{name}.bin", [*engine.host_experts_args(rpc.endpoint), *extra], n_predict=12)
+    return run.logits, run.log
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pybmoe import backend_ops, models
+from pybmoe import backend_ops, engine, models
 
 ROOT = Path(__file__).resolve().parent.parent
 VK_BIN = Path(os.environ.get("PYBMOE_VULKAN_BIN_DIR") or ROOT / "build" / "vulkan" / "bin")
@@ -55,20 +55,17 @@ def test_duplicate_expert_ids_pass_on_vulkan():
     assert len(seen) == 96, f"{len(seen)} of 96 cases completed in {len(outputs)} runs: {outputs}"
 
 
-def _run(model: Path, slots: int, fusion: bool, tmp: Path) -> tuple[list[str], np.ndarray, str]:
+def _run(model: Path, slots: int, fusion: bool, tmp: Path) -> tuple[list[int], np.ndarray, str]:
     out = tmp / f"vk-{slots}-{int(fusion)}.bin"
     env = dict(ENV)
     if not fusion:
         env["GGML_VK_DISABLE_FUSION"] = "1"
     else:
         env.pop("GGML_VK_DISABLE_FUSION", None)
-    cmd = [str(VK_BIN / "pybmoe-logits"), "--logits-out", str(out), "-m", str(model), "-p", PROMPT,
-           "-n", str(N_PREDICT), "-c", "512", "-ub", "16", "-t", "2", "--fit", "off", "-ngl", "99", "--cpu-moe",
-           "--no-repack", "--moe-expert-cache", str(slots), "--moe-expert-cache-max-batch", "32"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-3000:]}"
-    tokens = [l for l in r.stdout.splitlines() if l.startswith("token ")]
-    return tokens, np.fromfile(out, dtype=np.float32), r.stdout + r.stderr
+    run = engine.run_logits(model, out, ["-ub", "16", "-ngl", "99", "--cpu-moe", "--no-repack", "--moe-expert-cache",
+                                         str(slots), "--moe-expert-cache-max-batch", "32"],
+                            prompt=PROMPT, n_predict=N_PREDICT, ctx=512, timeout=900, bin_dir=VK_BIN, env=env)
+    return run.tokens, np.frombuffer(run.logits, dtype=np.float32), run.log
 
 
 @pytest.fixture(scope="module")
