@@ -224,12 +224,15 @@ class LlamaServer:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise EngineError(f"POST {path} -> {e.code}: {e.read()[:2000]!r}") from e
+        except (urllib.error.URLError, OSError) as e:  # the server died or hung
+            raise EngineError(f"POST {path} failed: {e}\n{_tail(self.log)}") from e
 
-    def completion(self, prompt: str, n_predict: int = 64, **kw) -> dict:
-        """Greedy ``/completion`` (temperature 0) unless ``kw`` says otherwise."""
+    def completion(self, prompt: str, n_predict: int = 64, timeout_s: float = 300, **kw) -> dict:
+        """Greedy ``/completion`` (temperature 0) unless ``kw`` (more body fields) says otherwise;
+        ``timeout_s`` seconds for the answer."""
         body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "top_k": 1, "seed": 0,
                 "cache_prompt": False, **kw}
-        return self.post("/completion", body)
+        return self.post("/completion", body, timeout_s=timeout_s)
 
     def stop(self) -> str:
         """Stop the server; returns its whole log."""

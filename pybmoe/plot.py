@@ -78,7 +78,8 @@ def sweep_plot(runs: pd.DataFrame, path: str | os.PathLike, *, title: str = "") 
 
     ``runs`` holds the rows of one mode (``pp`` or ``tg``) of ``sweep.csv``: columns ``slots``,
     ``inserts``, ``n_ubatch``, ``n_threads``, ``backend``, ``avg_ts`` (tok/s), ``hit_pct`` (%)
-    and ``overflow``. One line per configuration (insert cap, ubatch, threads, backend): the
+    and ``overflow`` (and ``spec``, ``max_batch``, when present). One line per configuration (insert
+    cap, cached batch, ubatch, threads, backend, speculation): the
     median over repeats with min–max bars, the cache-off median (``slots = 0``) of that
     configuration drawn as a dashed horizontal line of the same colour, and overflowed runs as
     red crosses (left out of the medians). Returns the path; raises :class:`ValueError` for an
@@ -92,22 +93,23 @@ def sweep_plot(runs: pd.DataFrame, path: str | os.PathLike, *, title: str = "") 
         raise ValueError(f"one mode per plot; got {sorted(runs['mode'].unique())}")
     ok = runs[~runs["overflow"].astype(bool)]
     bad = runs[runs["overflow"].astype(bool)]
-    cfg_keys = ["backend", "n_threads", "n_ubatch"]
+    cfg_keys = ["backend", "n_threads", "n_ubatch"] + (["spec"] if "spec" in runs else [])
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 6.4), dpi=120, sharex=True,
                                  gridspec_kw={"height_ratios": [3, 2]})
     color_i = 0
     for cfg, g in ok.groupby(cfg_keys, sort=True):
         base = g[g["slots"] == 0]["avg_ts"].median()
-        label_cfg = f"{cfg[0]}, t={cfg[1]}, ub={cfg[2]}"
+        label_cfg = f"{cfg[0]}, t={cfg[1]}, ub={cfg[2]}" + (f", spec={cfg[3]}" if len(cfg) > 3 else "")
         on = g[g["slots"] > 0]
-        inserts = sorted(on["inserts"].unique()) or [0]
-        for ins in inserts:
+        mbs = on["max_batch"] if "max_batch" in on else pd.Series(0, index=on.index)
+        variants = sorted(set(zip(on["inserts"], mbs))) or [(0, 0)]
+        for ins, mb in variants:
             color = f"C{color_i % 10}"
             color_i += 1
-            h = on[on["inserts"] == ins].groupby("slots")
+            h = on[(on["inserts"] == ins) & (mbs == mb)].groupby("slots")
             med = h["avg_ts"].median()
             lo, hi = h["avg_ts"].min(), h["avg_ts"].max()
-            lab = f"{label_cfg}, inserts={'∞' if ins == 0 else ins}"
+            lab = f"{label_cfg}, inserts={'∞' if ins == 0 else ins}" + (f", max_batch={mb}" if mb else "")
             if len(med):
                 ax.errorbar(med.index, med.values, yerr=[med.values - lo.values, hi.values - med.values],
                             marker="o", markersize=4, capsize=3, linewidth=1.4, color=color, label=lab)

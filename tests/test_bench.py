@@ -106,10 +106,80 @@ def test_overflow_reason_lines():
     assert "CUDA0" in bench.overflow_reason(log, floor_mib=100)
 
 
+@pytest.fixture(scope="module")
+def server_sweep(model_q8, tmp_path_factory):
+    """The server runner: 3 requests of the bundled traffic (a question, a document, code to
+    rewrite), cache off and 8 slots, no speculation and n-gram speculation, one repeat."""
+    out = tmp_path_factory.mktemp("server-sweep")
+    rc = cli.main(["sweep", "-m", str(model_q8), "--runner", "server", "--spec", "off,ngram-simple",
+                   "--slots", "0,8", "--repeats", "1", "--requests", "3", "-n", "24", "--threads", "1",
+                   "--rpc-threads", "1", "--backend", "rpc", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    return out
+
+
+def test_server_sweep_rows_and_cache(server_sweep):
+    runs = pd.read_csv(server_sweep / "sweep.csv")
+    for c in ("n_prompt", "n_gen", "n_threads", "n_ubatch", "avg_ts", "avg_ns", "model_filename", "n_requests",
+              "draft_n", "draft_accepted", "text_sha1", *bench.CACHE_COLUMNS):
+        assert c in runs.columns, c
+    assert len(runs) == 2 * 2 * 2                        # slots x specs x modes (one repeat)
+    assert set(runs["runner"]) == {"server"} and set(runs["spec"]) == {"off", "ngram-simple"}
+    assert (runs["n_requests"] == 3).all()
+    assert (runs["avg_ts"] > 0).all() and not runs["overflow"].any()
+    pp, tg = runs[runs["mode"] == "pp"], runs[runs["mode"] == "tg"]
+    # every run prefills the same three prompts (cache_prompt off) and generates 3 x 24 tokens
+    reqs = bench.load_traffic(None, 3, 24)
+    assert pp["n_prompt"].nunique() == 1 and pp["n_prompt"].iloc[0] > sum(len(r["prompt"]) for r in reqs) // 8
+    assert (pp["n_gen"] == 0).all() and (tg["n_prompt"] == 0).all()
+    assert (tg["n_gen"] == 3 * 24).all()
+    # greedy text depends neither on the cache nor on speculation
+    assert runs["text_sha1"].nunique() == 1
+    on, off = runs[runs["slots"] == 8], runs[runs["slots"] == 0]
+    assert (on["hit_pct"] > 0).all() and (on["uploads"] > 0).all() and (on["resident_mib"] > 0).all()
+    assert off["hit_pct"].isna().all() and (off["uploads"] == 0).all()
+    # n-gram speculation drafts on the code request; no speculation drafts nothing
+    spec = runs[runs["spec"] == "ngram-simple"]
+    assert (spec["draft_n"] > 0).all() and (spec["draft_accepted"] <= spec["draft_n"]).all()
+    assert (runs[runs["spec"] == "off"]["draft_n"] == 0).all()
+
+
+def test_server_sweep_summary_per_spec(server_sweep):
+    s = pd.read_csv(server_sweep / "sweep-summary.csv")
+    assert len(s) == 2 * 2 * 2
+    off = s[s["slots"] == 0]
+    assert np.allclose(off["ratio"], 1.0)
+    # the baseline of each point is the cache-off median of the same speculation and mode
+    base = off.set_index(["spec", "mode"])["median_ts"]
+    assert np.allclose(s["baseline_ts"], [base[(sp, m)] for sp, m in zip(s["spec"], s["mode"])])
+    assert s[s["spec"] == "off"]["draft_accept_pct"].isna().all()
+    assert (s[s["spec"] == "ngram-simple"]["draft_accept_pct"].between(0, 100)).all()
+    for mode in ("pp", "tg"):
+        assert (server_sweep / f"sweep-{mode}.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_traffic_file_errors(tmp_path):
+    assert [r["name"] for r in bench.load_traffic()][:3] == ["short-question", "summarise-document", "rewrite-code"]
+    with pytest.raises(FileNotFoundError, match="traffic file"):
+        bench.load_traffic(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"requests": [{"prompt": "", "n_predict": 4}]}')
+    with pytest.raises(ValueError, match="request 0 needs a non-empty"):
+        bench.load_traffic(bad)
+    bad.write_text("[1, 2")
+    with pytest.raises(ValueError, match="not JSON"):
+        bench.load_traffic(bad)
+    with pytest.raises(ValueError, match="n_requests"):
+        bench.load_traffic(None, 0)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--slots", "0,-8"], "slots"),
     (["--repeats", "0"], "repeats"),
     (["--backend", "tpu"], "backend"),
+    (["--spec", "ngram-simple"], "llama-bench has no speculative decoding"),
+    (["--runner", "server", "--spec", "medusa"], "not a speculative decoding type"),
+    (["--runner", "server", "--traffic", "/nonexistent/t.json"], "traffic file"),
 ])
 def test_bad_input_fails_early(model_q8, tmp_path, capsys, argv, message):
     rc = cli.main(["sweep", "-m", str(model_q8), "--out", str(tmp_path / "o"), "--no-progress", *argv])

@@ -58,6 +58,24 @@ def test_fit_counts_fixed_slots(model_q8, rpc, tmp_path):
     assert abs((used8 - used0) - counted) <= 1.0, (used8, used0, counted)
 
 
+def test_fit_with_auto_gives_the_cache_what_is_left(model_q8, rpc, tmp_path):
+    """--fit on with auto: the probes count no slots (the fitter's projection equals the cache
+    off), and the real load then sizes the cache from what is left, minus the floor."""
+    _, used0 = _fit_log(model_q8, rpc, tmp_path, 0)
+    r, log, _ = _logits(model_q8, rpc.endpoint, tmp_path,
+                        ["--fit", "on", "-v", "--moe-expert-cache", "auto", "--moe-expert-cache-ceil-mb", "8"])
+    assert r.returncode == 0, log[-2000:]
+    used_auto = int(re.search(r"projected to use (\d+) MiB of device memory", log).group(1))
+    assert used_auto == used0
+    assert "--fit counts" not in log
+    (line,) = re.findall(r"auto on \S+: ([\d.]+) MiB free - ([\d.]+) MiB reserved for contexts - 1024 MiB floor, "
+                         r"ceil 8 MiB -> (\d+) slots/layer", log)
+    assert float(line[0]) - float(line[1]) - 1024 > 8  # the ceiling binds, not the free memory
+    rec = engine.cache_record(log)
+    assert rec["slots"] == int(line[2]) > 0
+    assert 0 < rec["budget_mib"] <= 8
+
+
 def _reserve(log: str) -> list[float]:
     return [float(x) for x in re.findall(r"MiB free - ([\d.]+) MiB reserved for contexts", log)]
 
