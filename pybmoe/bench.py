@@ -382,6 +382,8 @@ def run_server_point(model: Path, point: Point, requests: Sequence[dict], *, rpc
     Raises :class:`pybmoe.engine.EngineError` when the server fails and its log shows no overflow.
     """
     n_ctx = 256 + max(len(r["prompt"]) + r["n_predict"] for r in requests)  # a token is >= 1 character
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
     srv = engine.LlamaServer(server_command_args(model, point, rpc_endpoint=rpc_endpoint, n_ctx=n_ctx,
                                                  extra_args=extra_args), log_dir=log_dir)
     results, err = [], None
@@ -589,8 +591,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rpc-threads", type=int, default=None, help="threads of the loopback rpc server")
     ap.add_argument("--floor-mb", type=float, default=0.0, help="MiB each device must keep free (overflow check)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--bench-args", default="", help="extra llama-bench (or llama-server) arguments, one string "
-                                                     "(e.g. '-fa on')")
+    ap.add_argument("--bench-args", "--server-args", dest="bench_args", default="",
+                    help="extra llama-bench (or, with --runner server, llama-server) arguments, one string "
+                         "(e.g. '-fa on')")
     ap.add_argument("--runner", default="bench", choices=RUNNERS,
                     help="bench: llama-bench pp and tg runs; server: llama-server requests from a traffic file "
                          "(default bench)")

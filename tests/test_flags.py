@@ -15,7 +15,7 @@ def _run(binary: str, args: list[str], env: dict | None = None, timeout: float =
 
 
 @pytest.mark.parametrize("binary", ["llama-server", "llama-cli", "llama-bench"])
-@pytest.mark.parametrize("flag", ["--moe-expert-cache", "--moe-expert-cache-inserts"])
+@pytest.mark.parametrize("flag", ["--moe-expert-cache", "--moe-expert-cache-inserts", "--moe-expert-cache-max-batch"])
 @pytest.mark.parametrize("value", ["-1", "abc", "4x", "1.5"])
 def test_bad_value_is_refused(binary, flag, value, model_q8):
     r = _run(binary, ["-m", str(model_q8), flag, value])
@@ -39,6 +39,14 @@ def test_flags_are_documented(binary):
     assert "--moe-expert-cache" in r.stdout + r.stderr
     assert "--moe-expert-cache-inserts" in r.stdout + r.stderr
     assert "--moe-route-replay" in r.stdout + r.stderr
+    assert "--moe-expert-cache-max-batch" in r.stdout + r.stderr
+
+
+def test_llama_bench_refuses_a_max_batch_out_of_range(model_q8):
+    r = _run("llama-bench", ["-m", str(model_q8), "-p", "0", "-n", "1", "-r", "1",
+                             "--moe-expert-cache", "4", "--moe-expert-cache-max-batch", "5000"])
+    assert r.returncode != 0
+    assert "--moe-expert-cache-max-batch 5000 is out of range (1 .. 4096)" in r.stdout + r.stderr
 
 
 def test_python_side_validates():
