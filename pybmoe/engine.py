@@ -299,10 +299,38 @@ def parse_cache_preamble(log: str) -> dict | None:
     return rec
 
 
-def cache_record(log: str) -> dict:
+_METRIC = re.compile(r'^llamacpp:moe_cache_(\w+?)(?:\{device="([^"]*)"\})?\s+(\S+)$', re.M)
+
+
+def parse_cache_metrics(text: str) -> dict | None:
+    """The expert cache's series of a ``llama-server --metrics`` page (``/metrics``, Prometheus
+    text) as a dict, or None when it has none (cache off, or another server).
+
+    Keys: ``hits``, ``misses``, ``uploads`` (counts), ``upload_bytes``, ``resident_bytes`` (bytes),
+    ``slots`` and ``allocated_bytes`` (``{device: value}``, slots summed over the device's layers).
+    """
+    out: dict = {}
+    for name, dev, value in _METRIC.findall(text):
+        name = name.removesuffix("_total")
+        v = float(value)
+        v = int(v) if v.is_integer() else v
+        if dev:
+            out.setdefault(name, {})[dev] = v
+        else:
+            out[name] = v
+    return out or None
+
+
+def cache_record(log: str, metrics: str | None = None) -> dict:
     """One tidy record of a run's cache lines (preamble, last summary, cliff warning), usable as a
     pandas row: ``pd.DataFrame([cache_record(log)])``. Budgets are summed over devices into
-    ``budget_mib``; absent values are None."""
+    ``budget_mib``; absent values are None.
+
+    ``metrics``: a ``/metrics`` page of the same server (:func:`parse_cache_metrics`); its counters
+    are added as ``metrics_hits``, ``metrics_misses``, ``metrics_uploads``,
+    ``metrics_upload_mib``, ``metrics_resident_mib`` (MiB) and ``metrics_slots`` (summed over
+    devices): the live values at the time of the scrape, where the summary is the value when the
+    context was freed."""
     pre = parse_cache_preamble(log) or {}
     sums = parse_cache_summaries(log)
     last = sums[-1] if sums else None
@@ -312,6 +340,14 @@ def cache_record(log: str) -> dict:
     for f in ("hit_pct", "resident_mib", "uploads", "upload_mib", "layer_demand_mib", "token_demand_mib", "steps"):
         rec[f] = getattr(last, f) if last else None
     rec["below_cycle"] = bool(_CLIFF.search(log))
+    if metrics is not None:
+        m = parse_cache_metrics(metrics) or {}
+        for k in ("hits", "misses", "uploads"):
+            rec[f"metrics_{k}"] = m.get(k)
+        for k in ("upload", "resident"):
+            b = m.get(f"{k}_bytes")
+            rec[f"metrics_{k}_mib"] = b / 2**20 if b is not None else None
+        rec["metrics_slots"] = sum(m["slots"].values()) if m.get("slots") else None
     return rec
 
 

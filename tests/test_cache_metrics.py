@@ -81,6 +81,16 @@ def test_server_metrics_and_props(model_q8, rpc):
     # the summary at shutdown agrees with the counters
     s = engine.parse_cache_summaries(log)[-1]
     assert s.hit_pct == pytest.approx(100 * hits / (hits + misses), abs=0.05)
+    # and pybmoe reads preamble, summary and /metrics into one record
+    m = engine.parse_cache_metrics(text)
+    assert (m["hits"], m["misses"]) == (hits, misses) and list(m["slots"].values()) == [8 * spec.n_layer]
+    assert set(m["allocated_bytes"]) == set(m["slots"])
+    rec = engine.cache_record(log, metrics=text)
+    assert (rec["metrics_hits"], rec["metrics_misses"], rec["metrics_slots"]) == (hits, misses, 8 * spec.n_layer)
+    assert rec["metrics_resident_mib"] == pytest.approx(s.resident_mib, abs=0.05)
+    assert rec["metrics_upload_mib"] == pytest.approx(s.upload_mib, abs=0.05)
+    assert rec["metrics_uploads"] == s.uploads and rec["slots"] == 8
+    assert engine.parse_cache_metrics("llamacpp:prompt_tokens_total 3\n") is None
 
 
 def test_auto_sizes_from_the_device_and_its_ceiling(model_q8, rpc, tmp_path):
