@@ -629,7 +629,11 @@ def format_summary(summary: pd.DataFrame) -> str:
     cols = ["mode", "runner", "backend", "spec", "n_threads", "n_ubatch", "slots", "inserts", "max_batch", "n",
             "median_ts",
             "baseline_ts", "ratio", "median_hit_pct", "median_resident_mib", "median_uploads", "overflow"]
+    if "draft_accept_pct" in summary:
+        cols.append("draft_accept_pct")
     s = summary[cols].copy()
+    if "draft_accept_pct" in s:
+        s["draft_accept_pct"] = s["draft_accept_pct"].map(lambda v: "–" if pd.isna(v) else f"{v:.1f}")
     for c in ("median_ts", "baseline_ts"):
         s[c] = s[c].map(lambda v: f"{v:.1f}")
     s["ratio"] = s["ratio"].map(lambda v: f"{v:.3f}")
