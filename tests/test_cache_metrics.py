@@ -157,6 +157,21 @@ def test_runtime_shrink_is_byte_safe(model_q8, rpc, tmp_path):
     assert "moe-cache-resize -1" in r.stdout and "out of range" in r.stdout + r.stderr
 
 
+def test_resize_during_a_decode_is_refused(model_q8, rpc, tmp_path):
+    """A resize called while a decode graph is being computed (from an eval callback) is refused
+    (-2), changes nothing, and the output equals a run without the attempt."""
+    plain = _run_args(model_q8, rpc, tmp_path, engine.cache_args(8))
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    plain_logits = (tmp_path / "l.bin").read_bytes()
+    r = _run_args(model_q8, rpc, tmp_path, [*engine.cache_args(8), "--moe-resize-in-graph", "0"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "moe-cache-resize-in-graph -2 8" in r.stdout  # refused; still 8 slots
+    assert "a graph is being computed; resize between generations" in r.stderr
+    assert (tmp_path / "l.bin").read_bytes() == plain_logits
+    assert engine.parse_cache_summaries(r.stdout + r.stderr)[-1] == engine.parse_cache_summaries(
+        plain.stdout + plain.stderr)[-1]
+
+
 def _moe_series(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():

@@ -11,6 +11,9 @@
 // After the context is freed, stdout gets one line per cached layer: "moe-cache-layer IL HITS MISSES".
 // --moe-resize-at STEP:SLOTS calls llama_model_moe_cache_set_slots(SLOTS) after STEP decode steps
 // (between two llama_decode calls) and prints "moe-cache-resize RC".
+// --moe-resize-in-graph SLOTS calls it once from inside the first decode graph (an eval callback,
+// while the graph is being computed), which the cache must refuse, and prints
+// "moe-cache-resize-in-graph RC SLOTS_AFTER".
 // --abi (alone) prints sizeof and field offsets of struct llama_moe_cache_stats.
 
 #include "arg.h"
@@ -20,9 +23,31 @@
 
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
+
+// --moe-resize-in-graph: one resize attempt from inside a graph being computed
+struct resize_in_graph {
+    llama_model * model = nullptr;
+    int32_t       slots = -1;   // < 0: off
+    bool          armed = false; // set after the prefill: the attempt is made in a decode graph
+    bool          done  = false;
+};
+
+static bool resize_in_graph_cb(struct ggml_tensor * /*t*/, bool ask, void * user_data) {
+    auto * r = (resize_in_graph *) user_data;
+    if (ask && r->armed && !r->done) {
+        r->done = true;
+        const int32_t rc = llama_model_moe_cache_set_slots(r->model, r->slots);
+        llama_moe_cache_stats st = {};
+        llama_model_moe_cache_get_stats(r->model, &st);
+        printf("moe-cache-resize-in-graph %d %d\n", rc, st.n_slots);
+        fflush(stdout);
+    }
+    return false; // observe no tensor: the graph runs as it would without the callback
+}
 
 int main(int argc, char ** argv) {
     if (argc == 2 && strcmp(argv[1], "--abi") == 0) {
@@ -38,10 +63,15 @@ int main(int argc, char ** argv) {
     }
     std::string out_path;
     int resize_step = -1, resize_slots = 0;
+    resize_in_graph rig;
     std::vector<char *> args;
     for (int i = 0; i < argc; ++i) {
         if (strcmp(argv[i], "--logits-out") == 0 && i + 1 < argc) {
             out_path = argv[++i];
+            continue;
+        }
+        if (strcmp(argv[i], "--moe-resize-in-graph") == 0 && i + 1 < argc) {
+            rig.slots = atoi(argv[++i]);
             continue;
         }
         if (strcmp(argv[i], "--moe-resize-at") == 0 && i + 1 < argc) {
@@ -70,6 +100,11 @@ int main(int argc, char ** argv) {
     // observed before the model goes
     auto init = common_init_from_params(params, /*model_only=*/true);
     llama_model   * model = init->model();
+    rig.model = model;
+    if (rig.slots >= 0) {
+        params.cb_eval           = resize_in_graph_cb;
+        params.cb_eval_user_data = &rig;
+    }
     llama_context * ctx   = model ? llama_init_from_model(model, common_context_params_to_llama(params)) : nullptr;
     if (model == nullptr || ctx == nullptr) {
         fprintf(stderr, "pybmoe-logits: failed to load the model\n");
@@ -104,6 +139,7 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "pybmoe-logits: prefill failed\n");
         return 1;
     }
+    rig.armed = true;
     llama_token tok = 0;
     for (int i = 0; i < params.n_predict; ++i) {
         const float * logits = llama_get_logits_ith(ctx, -1);
