@@ -585,8 +585,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--backend", default="auto", help="comma-separated: auto, rpc (loopback ggml-rpc-server), "
                                                       "gpu (the local device) (default auto)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per point and mode (default 3)")
-    ap.add_argument("-p", "--n-prompt", type=int, default=128, help="prompt tokens of the pp runs (default 128)")
-    ap.add_argument("-n", "--n-gen", type=int, default=64, help="generated tokens of the tg runs (default 64)")
+    ap.add_argument("-p", "--n-prompt", type=int, default=128, help="prompt tokens of the pp runs (default 128; the "
+                                                                       "server runner's prompts come from the traffic "
+                                                                       "file)")
+    ap.add_argument("-n", "--n-gen", type=int, default=64, help="generated tokens of the tg runs; with --runner server, "
+                                                                   "the most each request generates (default 64)")
     ap.add_argument("--modes", default="pp,tg", help="pp, tg or pp,tg (default)")
     ap.add_argument("--rpc-threads", type=int, default=None, help="threads of the loopback rpc server")
     ap.add_argument("--floor-mb", type=float, default=0.0, help="MiB each device must keep free (overflow check)")
