@@ -74,3 +74,14 @@ def test_fixed_slots_that_do_not_fit_raise(model_q8, rpc):
     with pytest.raises(ValueError, match="does not fit the device's free memory"):
         bindings.Llama(str(model_q8), n_gpu_layers=99, cpu_moe=True, repack=False, rpc_servers=rpc.endpoint,
                        moe_expert_cache=4, moe_expert_cache_floor_mb=99999999, verbose=False)
+
+
+def test_the_build_leaves_out_llama_cpps_amx_kernels():
+    """llama.cpp's AMX kernels crash on some Sapphire Rapids machines (upstream #20824: SIGSEGV in
+    ggml_backend_amx_mul_mat; here SIGSEGV, SIGILL or an abort in the first CPU graph of the arch
+    tests' models), so pybmoe's build turns them off unless PYBMOE_CPU_AMX=ON (CMakeLists.txt)."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    assert info.startswith("CPU :"), info
+    assert "AMX_INT8" not in info, info
