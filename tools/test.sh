@@ -7,6 +7,9 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 mkdir -p build
+# compile commands name the checkout's absolute paths; relative to it, a fresh clone elsewhere hits
+# the same ccache entries (docs/build.md)
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 t0=$(date +%s)
 if ! python -m pip install -v '.[test]' > build/pip-install.log 2>&1; then
     tail -n 150 build/pip-install.log
