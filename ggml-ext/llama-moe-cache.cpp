@@ -606,6 +606,7 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
     // which layers can be cached; every reason a MoE layer with host experts is not is one WARN line
     std::map<ggml_backend_buffer_type_t, std::vector<int>> by_buft;
     std::map<std::string, std::vector<int>> not_cached; // reason -> layers
+    std::map<std::string, std::vector<int>> pinned;     // experts in another device's host buffer -> layers
     int n_moe = 0;
     for (int il = 0; il < (int) model->layers.size(); ++il) {
         const auto & layer = model->layers[il];
@@ -620,7 +621,8 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
             not_cached["the layer has no down experts"].push_back(il);
             continue;
         }
-        if (!llama_moe_buft_is_host(ggml_backend_buffer_get_type(exps[0]->buffer))) {
+        ggml_backend_buffer_type_t ebuft = ggml_backend_buffer_get_type(exps[0]->buffer);
+        if (!llama_moe_buft_is_host(ebuft)) {
             continue; // experts already on a device: nothing to cache
         }
         ggml_backend_buffer_type_t rbuft = ggml_backend_buffer_get_type(layer.ffn_gate_inp->buffer);
@@ -653,15 +655,33 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
             continue;
         }
         by_buft[rbuft].push_back(il);
+        ggml_backend_dev_t edev = ggml_backend_buft_get_device(ebuft);
+        if (edev != nullptr && ggml_backend_dev_type(edev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            // host memory that belongs to another device: without mmap (--load-mode none), llama.cpp's CPU
+            // buffer list puts CPU weights in the first GPU's pinned host buffer (CUDA_Host, Vulkan_Host,
+            // ...); the cache serves them all the same (the host chain reads host memory, uploads read the
+            // GGUF), but it is not the plain CPU buffer that --cpu-moe / -ot exps=CPU suggest: say so
+            pinned[format("%s, the pinned host memory of %s", ggml_backend_buft_name(ebuft),
+                    ggml_backend_dev_name(edev))].push_back(il);
+        }
     }
     if (!estimate) {
-        for (const auto & [why, ils] : not_cached) {
+        auto list_of = [](const std::vector<int> & ils) {
             std::string list;
             for (int il : ils) {
                 list += (list.empty() ? "" : ",") + std::to_string(il);
             }
+            return list;
+        };
+        for (const auto & [why, ils] : not_cached) {
             LLAMA_LOG_WARN("%s: moe-cache: WARNING %zu layer(s) not cached (%s): %s\n", __func__, ils.size(),
-                    list.c_str(), why.c_str());
+                    list_of(ils).c_str(), why.c_str());
+        }
+        for (const auto & [where, ils] : pinned) {
+            LLAMA_LOG_WARN("%s: moe-cache: WARNING the experts of %zu MoE layer(s) (%s) are in buffer type %s, "
+                    "not a CPU buffer (llama.cpp puts CPU weights there when the model is not memory-mapped); the cache "
+                    "serves them, but they hold page-locked RAM: --no-host keeps them in a CPU buffer\n", __func__, ils.size(),
+                    list_of(ils).c_str(), where.c_str());
         }
     }
     if (n_moe == 0) {

@@ -111,6 +111,21 @@ def test_router_in_host_memory_warns_why(model_q8, rpc, tmp_path):
     assert engine.parse_cache_summaries(log) == []
 
 
+def test_experts_in_a_cpu_buffer_without_mmap_do_not_warn(model_q8, rpc, tmp_path):
+    """Without mmap the experts go to a CPU buffer here (the RPC device has no pinned host buffer):
+    no buffer-type WARN, and the output is bit-identical to the cache off. The WARN's positive case,
+    experts in a GPU's pinned host buffer, is tests/test_vulkan.py (Vulkan_Host on lavapipe)."""
+    extra = ["--fit", "off", "--load-mode", "none"]
+    r, off, off_bin = _logits(model_q8, rpc.endpoint, tmp_path, extra, name="off.bin")
+    assert r.returncode == 0, off[-2000:]
+    r, on, on_bin = _logits(model_q8, rpc.endpoint, tmp_path, [*extra, "-v", "--moe-expert-cache", "8"], name="on.bin")
+    assert r.returncode == 0, on[-2000:]
+    assert "CPU model buffer size" in on and "CPU_Mapped" not in on  # not memory-mapped
+    assert "are in buffer type" not in on and "not cached" not in on
+    assert engine.cache_record(on)["slots"] == 8
+    assert on_bin.read_bytes() == off_bin.read_bytes()
+
+
 @pytest.fixture(scope="module")
 def rpc2():
     with engine.RpcServer(threads=1) as a, engine.RpcServer(threads=1) as b:

@@ -110,3 +110,37 @@ def test_variants_on_vulkan(arch, fusion, tmp_path):
     nmse = float(((off - on) ** 2).sum() / (off ** 2).sum())
     assert nmse <= 5e-4, nmse
     assert sum(int(l.split()[2]) for l in log.splitlines() if l.startswith("moe-cache-layer")) > 0
+
+
+def _pinned_run(model: Path, slots: int, extra: list[str], tmp: Path) -> engine.LogitsRun:
+    return engine.run_logits(model, tmp / f"pinned-{slots}-{len(extra)}.bin",
+                             ["-ngl", "99", "--cpu-moe", "--no-repack", "--load-mode", "none",
+                              "--moe-expert-cache", str(slots), *extra],
+                             prompt=PROMPT, n_predict=8, ctx=512, timeout=900, bin_dir=VK_BIN, env=ENV)
+
+
+PINNED_WARN = "are in buffer type Vulkan_Host, the pinned host memory of Vulkan0"
+
+
+def test_experts_in_the_devices_pinned_host_buffer_warn(f16_model, tmp_path):
+    """Without mmap, llama.cpp's CPU buffer list puts --cpu-moe experts in the first GPU's pinned host
+    buffer (Vulkan_Host here, CUDA_Host on CUDA), not a CPU buffer: one WARN names the buffer type and
+    the layers, the cache still serves them (tokens equal to the cache off, logits close), and
+    --no-host keeps them in a CPU buffer without the WARN."""
+    spec = models.read_spec(f16_model)
+    off = _pinned_run(f16_model, 0, [], tmp_path)
+    assert "Vulkan_Host model buffer size" in off.log  # where llama.cpp really put the experts
+    on = _pinned_run(f16_model, 8, [], tmp_path)
+    lines = [l for l in on.log.splitlines() if PINNED_WARN in l]
+    layers = ",".join(str(i) for i in range(spec.n_layer))
+    assert len(lines) == 1 and f"{spec.n_layer} MoE layer(s) ({layers})" in lines[0], lines
+    assert "--no-host keeps them in a CPU buffer" in lines[0]
+    assert "not cached" not in on.log and "moe-cache-preamble" in on.log
+    assert on.tokens == off.tokens
+    a, b = np.frombuffer(off.logits, dtype=np.float32), np.frombuffer(on.logits, dtype=np.float32)
+    assert float(((a - b) ** 2).sum() / (a ** 2).sum()) <= 5e-4
+    assert sum(h for h, _ in on.layers.values()) > 0
+
+    nohost = _pinned_run(f16_model, 8, ["--no-host"], tmp_path)
+    assert "Vulkan_Host model buffer size" not in nohost.log
+    assert PINNED_WARN not in nohost.log and "moe-cache-preamble" in nohost.log
