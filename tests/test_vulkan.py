@@ -114,7 +114,7 @@ def test_variants_on_vulkan(arch, fusion, tmp_path):
 
 def _pinned_run(model: Path, slots: int, extra: list[str], tmp: Path) -> engine.LogitsRun:
     return engine.run_logits(model, tmp / f"pinned-{slots}-{len(extra)}.bin",
-                             ["-ngl", "99", "--cpu-moe", "--no-repack", "--load-mode", "none",
+                             ["-v", "-ngl", "99", "--cpu-moe", "--no-repack", "--load-mode", "none",
                               "--moe-expert-cache", str(slots), *extra],
                              prompt=PROMPT, n_predict=8, ctx=512, timeout=900, bin_dir=VK_BIN, env=ENV)
 
