@@ -4,15 +4,29 @@ No test touches the network: models come from pybmoe.models (vocab from the pinn
 """
 from __future__ import annotations
 
-import os
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from pybmoe import engine, models, vendor
+from pybmoe import engine, models, trace, vendor
+from pybmoe.demo import GRANITE_TRACE
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def granite_raw() -> dict:
+    """The granite-3.0-1b-a400m routing trace as its raw JSON (24 layers, 32 experts, top-8; the copy
+    bundled in pybmoe/data/, identical to shared/data/'s: tests/test_trace.py)."""
+    return json.loads(GRANITE_TRACE.read_text())
+
+
+@pytest.fixture(scope="session")
+def granite() -> trace.Trace:
+    """The same trace read by pybmoe.trace."""
+    return trace.read_trace(GRANITE_TRACE)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ pybmoe/_simcore.c into a temporary folder when a C compiler is there) and the pu
 """
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import subprocess
@@ -18,9 +17,9 @@ import pytest
 
 from pybmoe import sim, sizing
 from pybmoe import trace as tr
+from pybmoe.demo import GRANITE_TRACE as GRANITE  # the bundled copy (MIT notice beside it)
 
 REPO = Path(__file__).resolve().parents[1]
-GRANITE = REPO.parent / "shared" / "data" / "granite-3.0-1b-a400m-routing.json"
 
 
 @pytest.fixture(scope="session")
@@ -43,19 +42,6 @@ def backend(request) -> str:
         request.getfixturevalue("core")
     return request.param
 
-
-@pytest.fixture(scope="session")
-def granite() -> tr.Trace:
-    if not GRANITE.is_file():
-        pytest.skip(f"the granite routing trace is not at {GRANITE} (shared data absent)")
-    return tr.read_trace(GRANITE)
-
-
-@pytest.fixture(scope="session")
-def granite_raw() -> dict:
-    if not GRANITE.is_file():
-        pytest.skip(f"the granite routing trace is not at {GRANITE} (shared data absent)")
-    return json.loads(GRANITE.read_text())
 
 
 def mk(ubatches, *, n_expert: int, phases=None, workload: str = "w", layer: int = 0) -> tr.Trace:
@@ -437,13 +423,12 @@ def test_cli_errors_and_help(capsys):
     with pytest.raises(SystemExit) as e:
         sim.main(["--help"])
     assert e.value.code == 0 and "--slots-per-layer" in capsys.readouterr().out
-    if GRANITE.is_file():
-        assert sim.main([str(GRANITE), "--fraction", "1.5"]) == 2
-        assert "fraction 1.5; accepted: 0 .. 1" in capsys.readouterr().err
-        assert sim.main([str(GRANITE)]) == 2
-        assert "no budget" in capsys.readouterr().err
-        with pytest.raises(SystemExit):
-            sim.main([str(GRANITE), "--fraction", "0.5", "--slots-per-layer", "4"])
+    assert sim.main([str(GRANITE), "--fraction", "1.5"]) == 2
+    assert "fraction 1.5; accepted: 0 .. 1" in capsys.readouterr().err
+    assert sim.main([str(GRANITE)]) == 2
+    assert "no budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sim.main([str(GRANITE), "--fraction", "0.5", "--slots-per-layer", "4"])
 
 
 def test_cli_report_plot_and_batch_table(granite, tmp_path, capsys):

@@ -1,25 +1,15 @@
 """Trace synthesis: a synthetic trace keeps the source's per-layer LRU hit-rate curve."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import pytest
 
 from pybmoe import cli, sim, synth
 from pybmoe import trace as tr
+from pybmoe.demo import GRANITE_TRACE as GRANITE  # the bundled copy (MIT notice beside it)
 
-REPO = Path(__file__).resolve().parents[1]
-GRANITE = REPO.parent / "shared" / "data" / "granite-3.0-1b-a400m-routing.json"
 SLOTS = (4, 8, 16, 24)
-
-
-@pytest.fixture(scope="module")
-def granite() -> tr.Trace:
-    if not GRANITE.is_file():
-        pytest.skip(f"the granite routing trace is not at {GRANITE} (shared data absent)")
-    return tr.read_trace(GRANITE)
 
 
 def per_layer_hit_pct(t: tr.Trace, slots: int) -> tuple[pd.Series, float]:
@@ -111,16 +101,8 @@ def test_bad_arguments(granite):
 
 # --- the shape map: a trace for another model's shape (route replay on a synthetic big model) ---
 
-BUNDLED = REPO / "pybmoe" / "data" / "granite-3.0-1b-a400m-routing.json"
-
-
-@pytest.fixture(scope="module")
-def bundled() -> tr.Trace:
-    return tr.read_trace(BUNDLED)
-
-
-def test_map_writes_the_target_shape(bundled, tmp_path):
-    m = synth.synthesize(bundled, 40, seed=2, n_layer=48, n_expert=128)
+def test_map_writes_the_target_shape(granite, tmp_path):
+    m = synth.synthesize(granite, 40, seed=2, n_layer=48, n_expert=128)
     f = m.frame
     assert sorted(f["layer"].unique()) == list(range(48))
     assert f["expert"].between(0, 127).all() and f["rank"].between(0, 7).all()
@@ -135,18 +117,18 @@ def test_map_writes_the_target_shape(bundled, tmp_path):
     assert head.startswith("# pybmoe-trace v1 n_layer=48 n_expert=128 n_expert_used=8")
     assert "synth_map_from=L24xE32xK8" in head and "synth_distance_scale=4" in head
     # the map is deterministic per seed
-    pd.testing.assert_frame_equal(f, synth.synthesize(bundled, 40, seed=2, n_layer=48, n_expert=128).frame)
+    pd.testing.assert_frame_equal(f, synth.synthesize(granite, 40, seed=2, n_layer=48, n_expert=128).frame)
 
 
-def test_map_keeps_the_curve_at_the_same_fraction_of_experts(bundled):
+def test_map_keeps_the_curve_at_the_same_fraction_of_experts(granite):
     """E_src/2 = 16 of 32 slots on granite against 64 of 128 on the mapped trace (and 8 -> 32,
     24 -> 96). Long workloads on both synthetic sides: a mapped workload must fill a stack 4x as
     deep, so short ones pay 4x the cold misses (docs/traces.md)."""
-    plain = synth.synthesize(bundled, 1024, seed=1, workloads=2)
-    mapped = synth.synthesize(bundled, 1024, seed=1, workloads=2, n_layer=48, n_expert=128)
+    plain = synth.synthesize(granite, 1024, seed=1, workloads=2)
+    mapped = synth.synthesize(granite, 1024, seed=1, workloads=2, n_layer=48, n_expert=128)
     src_of = np.arange(48) % 24
     for s in (8, 16, 24):
-        src_l, src_all = per_layer_hit_pct(bundled, s)
+        src_l, src_all = per_layer_hit_pct(granite, s)
         p_l, p_all = per_layer_hit_pct(plain, s)
         m_l, m_all = per_layer_hit_pct(mapped, 4 * s)
         assert abs(m_all - p_all) < 2.0, (s, p_all, m_all)
@@ -157,20 +139,20 @@ def test_map_keeps_the_curve_at_the_same_fraction_of_experts(bundled):
         assert float(np.abs(m_l.to_numpy() - src_l.to_numpy()[src_of]).mean()) < 5.0, s
 
 
-def test_map_top_k_and_errors(bundled, tmp_path, capsys):
-    m = synth.synthesize(bundled, 20, seed=0, n_layer=6, n_expert=64, top_k=4)
+def test_map_top_k_and_errors(granite, tmp_path, capsys):
+    m = synth.synthesize(granite, 20, seed=0, n_layer=6, n_expert=64, top_k=4)
     assert m.meta.n_expert_used == 4 and m.frame["rank"].max() == 3 and m.meta.n_layer == 6
     assert (m.frame.groupby(["token", "layer"])["expert"].nunique() == 4).all()
     with pytest.raises(ValueError, match="no rows for more ranks"):
-        synth.synthesize(bundled, 10, top_k=10)
+        synth.synthesize(granite, 10, top_k=10)
     with pytest.raises(ValueError, match="top_k=8 is out of range"):
-        synth.synthesize(bundled, 10, n_expert=4)
+        synth.synthesize(granite, 10, n_expert=4)
     with pytest.raises(ValueError, match="distance_scale"):
-        synth.synthesize(bundled, 10, n_expert=64, distance_scale=0)
+        synth.synthesize(granite, 10, n_expert=64, distance_scale=0)
     out = tmp_path / "cli.csv"
-    assert cli.main(["trace", "synth", "--from", str(BUNDLED), "--steps", "16", "--n-layer", "30", "--n-expert", "96",
+    assert cli.main(["trace", "synth", "--from", str(GRANITE), "--steps", "16", "--n-layer", "30", "--n-expert", "96",
                      "--out", str(out)]) == 0
     t = tr.read_trace(out)
     assert (t.meta.n_layer, t.meta.n_expert, t.meta.n_expert_used) == (30, 96, 8)
     assert "30 layers, 96 experts, top-8" in capsys.readouterr().out
-    assert cli.main(["trace", "synth", "--from", str(BUNDLED), "--steps", "16", "--top-k", "9", "--out", str(out)]) == 2
+    assert cli.main(["trace", "synth", "--from", str(GRANITE), "--steps", "16", "--top-k", "9", "--out", str(out)]) == 2

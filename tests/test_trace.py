@@ -5,6 +5,7 @@ implementation.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -13,21 +14,8 @@ import pandas as pd
 import pytest
 
 from pybmoe import trace as tr
+from pybmoe.demo import GRANITE_TRACE as GRANITE  # the bundled copy (MIT notice beside it)
 
-REPO = Path(__file__).resolve().parents[1]
-GRANITE = REPO.parent / "shared" / "data" / "granite-3.0-1b-a400m-routing.json"
-
-
-@pytest.fixture(scope="module")
-def granite_raw() -> dict:
-    if not GRANITE.is_file():
-        pytest.skip(f"the granite routing trace is not at {GRANITE} (shared data absent)")
-    return json.loads(GRANITE.read_text())
-
-
-@pytest.fixture(scope="module")
-def granite(granite_raw) -> tr.Trace:
-    return tr.read_trace(GRANITE)
 
 
 def small_trace(slots=None, inserts=None) -> tr.Trace:
@@ -40,6 +28,16 @@ def small_trace(slots=None, inserts=None) -> tr.Trace:
 
 
 # --------------------------------------------------------------------------- granite import
+
+def test_the_bundled_granite_trace_is_the_shared_one():
+    """pybmoe/data/ carries the trace (with its MIT notice) so the tests run on a clean clone; it
+    is byte for byte the copy in shared/data/, where that is present."""
+    assert GRANITE.is_file() and GRANITE.with_suffix(".NOTICE").is_file()
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / GRANITE.name
+    if not shared.is_file():
+        pytest.skip(f"no shared copy at {shared} to compare with")
+    assert hashlib.sha256(GRANITE.read_bytes()).hexdigest() == hashlib.sha256(shared.read_bytes()).hexdigest()
+
 
 def test_granite_import(granite, granite_raw):
     f = granite.frame
