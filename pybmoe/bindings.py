@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,6 +200,7 @@ class Llama(llama_cpp.Llama):
     """``llama_cpp.Llama`` that can place experts in host memory and cache them on the device.
 
     Args (besides every ``llama_cpp.Llama`` keyword, which passes through):
+        model_path: the GGUF file, a ``str`` or a path-like (``models.default_model_path()``).
         moe_expert_cache: slots per host-resident MoE layer (int >= 0), or ``"auto"`` (size each
             device from its free memory minus ``moe_expert_cache_floor_mb``, capped by
             ``moe_expert_cache_ceil_mb``). 0 = off. Fixed slots must fit each device's free
@@ -217,7 +219,8 @@ class Llama(llama_cpp.Llama):
             raises too (the engine logs why).
     """
 
-    def __init__(self, model_path: str, *, moe_expert_cache: int | str = 0, moe_expert_cache_inserts: int = 0,
+    def __init__(self, model_path: str | os.PathLike, *, moe_expert_cache: int | str = 0,
+                 moe_expert_cache_inserts: int = 0,
                  moe_expert_cache_floor_mb: int = 1024, moe_expert_cache_ceil_mb: int = 0,
                  cpu_moe: bool = False, n_cpu_moe: int = 0,
                  override_tensor: str | Sequence[tuple[str, str]] | None = None,
@@ -275,7 +278,7 @@ class Llama(llama_cpp.Llama):
         with _lock:
             _internals.LlamaModel = _Model
             try:
-                super().__init__(model_path, **kwargs)
+                super().__init__(os.fspath(model_path), **kwargs)  # llama_cpp takes a str only
             finally:
                 _internals.LlamaModel = base
 

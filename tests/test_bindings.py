@@ -40,7 +40,8 @@ def test_generation_equals_llama_server_and_stats_are_counted(model_q8, rpc):
         want = srv.completion(PROMPT, n_predict=n)["content"]
     srv.stop()
 
-    llm = bindings.Llama(str(model_q8), n_gpu_layers=99, cpu_moe=True, repack=False, moe_expert_cache=8,
+    # a Path, as models.default_model_path() returns it (llama_cpp.Llama itself takes a str only)
+    llm = bindings.Llama(model_q8, n_gpu_layers=99, cpu_moe=True, repack=False, moe_expert_cache=8,
                          rpc_servers=rpc.endpoint, n_ctx=1024, n_threads=2, verbose=False)
     try:
         got = llm(PROMPT, max_tokens=n, temperature=0, top_k=1, repeat_penalty=1.0)["choices"][0]["text"]
