@@ -657,10 +657,11 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         by_buft[rbuft].push_back(il);
         ggml_backend_dev_t edev = ggml_backend_buft_get_device(ebuft);
         if (edev != nullptr && ggml_backend_dev_type(edev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-            // host memory that belongs to another device: without mmap (--load-mode none), llama.cpp's CPU
-            // buffer list puts CPU weights in the first GPU's pinned host buffer (CUDA_Host, Vulkan_Host,
-            // ...); the cache serves them all the same (the host chain reads host memory, uploads read the
-            // GGUF), but it is not the plain CPU buffer that --cpu-moe / -ot exps=CPU suggest: say so
+            // host memory that belongs to another device: without mmap (--load-mode none), llama.cpp's
+            // CPU buffer list puts CPU weights in the first GPU's pinned host buffer (CUDA_Host,
+            // Vulkan_Host, ...); the cache serves them all the same (the host chain reads host memory,
+            // uploads read the GGUF), but it is not the plain CPU buffer that --cpu-moe / -ot exps=CPU
+            // suggest: say so
             pinned[format("%s, the pinned host memory of %s", ggml_backend_buft_name(ebuft),
                     ggml_backend_dev_name(edev))].push_back(il);
         }
@@ -679,9 +680,9 @@ static int32_t llama_moe_cache_init_impl(llama_model * model, int32_t n_slots, i
         }
         for (const auto & [where, ils] : pinned) {
             LLAMA_LOG_WARN("%s: moe-cache: WARNING the experts of %zu MoE layer(s) (%s) are in buffer type %s, "
-                    "not a CPU buffer (llama.cpp puts CPU weights there when the model is not memory-mapped); the cache "
-                    "serves them, but they hold page-locked RAM: --no-host keeps them in a CPU buffer\n", __func__, ils.size(),
-                    list_of(ils).c_str(), where.c_str());
+                    "not a CPU buffer (llama.cpp puts CPU weights there when the model is not memory-mapped); the "
+                    "cache serves them, but they hold page-locked RAM: --no-host keeps them in a CPU buffer\n",
+                    __func__, ils.size(), list_of(ils).c_str(), where.c_str());
         }
     }
     if (n_moe == 0) {
