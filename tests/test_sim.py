@@ -43,7 +43,6 @@ def backend(request) -> str:
     return request.param
 
 
-
 def mk(ubatches, *, n_expert: int, phases=None, workload: str = "w", layer: int = 0) -> tr.Trace:
     """A one-layer trace: ``ubatches`` is a list of ubatches, each a list of tokens, each a list of
     expert ids in router order; a bare list of ids is a one-token ubatch."""

@@ -17,7 +17,6 @@ from pybmoe import trace as tr
 from pybmoe.demo import GRANITE_TRACE as GRANITE  # the bundled copy (MIT notice beside it)
 
 
-
 def small_trace(slots=None, inserts=None) -> tr.Trace:
     rows = [("a", "prefill", 0, 0, 1, 0, 3, -1), ("a", "prefill", 0, 0, 1, 1, 0, -1),
             ("a", "prefill", 0, 1, 1, 0, 2, -1), ("a", "prefill", 0, 1, 1, 1, 3, -1),
