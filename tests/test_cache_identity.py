@@ -6,8 +6,6 @@ kernels, so any double-counted, dropped or torn expert changes the logits.
 """
 from __future__ import annotations
 
-import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,35 +16,16 @@ N_PREDICT = 64
 PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
 
 
-@dataclass
-class LogitsRun:
-    tokens: list[int]
-    logits: bytes                       # n_decode x n_vocab float32
-    layers: dict[int, tuple[int, int]]  # il -> (hits, misses)
-    log: str
-
-
 def logits_run(model: Path, rpc: engine.RpcServer, slots: int | None, inserts: int, tmp: Path,
-               n_predict: int = N_PREDICT, repack: bool = False) -> LogitsRun:
+               n_predict: int = N_PREDICT, repack: bool = False) -> engine.LogitsRun:
     """slots None: no cache flags at all; repack: let Q4_0/Q4_K host experts be repacked."""
-    out = tmp / f"logits-{model.stem}-{slots}-{inserts}-{int(repack)}.bin"
     layout = engine.host_experts_args(rpc.endpoint)
     if repack:
         layout.remove("--no-repack")
         layout.append("-v")  # the buffer types are logged at INFO
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model),
-           "-p", PROMPT, "-n", str(n_predict), "-c", "512", "-t", "2", "--fit", "off", *layout,
-           *([] if slots is None else engine.cache_args(slots, inserts))]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
-    tokens, layers = [], {}
-    for line in r.stdout.splitlines():
-        if line.startswith("moe-cache-layer"):
-            _, il, h, m = line.split()
-            layers[int(il)] = (int(h), int(m))
-        elif line.startswith("token "):
-            tokens.append(int(line.split()[1]))
-    return LogitsRun(tokens, out.read_bytes(), layers, r.stdout + r.stderr)
+    return engine.run_logits(model, tmp / f"logits-{model.stem}-{slots}-{inserts}-{int(repack)}.bin",
+                             [*layout, *([] if slots is None else engine.cache_args(slots, inserts))],
+                             prompt=PROMPT, n_predict=n_predict, ctx=512, timeout=600)
 
 
 @pytest.fixture(scope="module")

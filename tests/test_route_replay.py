@@ -12,13 +12,9 @@ pd = pytest.importorskip("pandas")
 
 
 def _run(model, rpc, tmp_path, extra, prompt="Hello there", n_predict=24, name="l.bin"):
-    out = tmp_path / name
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model),
-           "-p", prompt, "-n", str(n_predict), "-c", "256", "-t", "2", "--fit", "off",
-           *engine.host_experts_args(rpc.endpoint), *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r.stdout + r.stderr, out.read_bytes()
+    run = engine.run_logits(model, tmp_path / name, [*engine.host_experts_args(rpc.endpoint), *extra],
+                            prompt=prompt, n_predict=n_predict)
+    return run.log, run.logits
 
 
 def _lines(log, *prefixes):

@@ -3,7 +3,6 @@ speculative verify batches, parallel decoding) and stays exact: bit-identical lo
 simulator's hits and misses, greedy speculative output equal to no speculation and no cache."""
 from __future__ import annotations
 
-import re
 import subprocess
 from pathlib import Path
 
@@ -20,13 +19,10 @@ MAX_BATCH = 32
 
 
 def _run(model: Path, rpc, tmp: Path, ub: int, extra: list[str], name: str):
-    out = tmp / f"{name}.bin"
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model), "-p", PROMPT,
-           "-n", str(N_PREDICT), "-c", "512", "-b", "512", "-ub", str(ub), "-t", "2", "--fit", "off",
-           *engine.host_experts_args(rpc.endpoint), *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out.read_bytes(), r.stdout + r.stderr
+    run = engine.run_logits(model, tmp / f"{name}.bin",
+                            ["-b", "512", "-ub", str(ub), *engine.host_experts_args(rpc.endpoint), *extra],
+                            prompt=PROMPT, n_predict=N_PREDICT, ctx=512)
+    return run.logits, run.log
 
 
 @pytest.fixture(scope="module")
