@@ -6,7 +6,6 @@ must predict every hit and miss the engine recorded.
 """
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -20,17 +19,10 @@ PROMPT = "Once upon a time, in a land of many experts,"
 
 def _engine_trace(model: Path, rpc, slots: int, inserts: int, tmp: Path, n_predict: int = 48):
     path = tmp / f"trace-{slots}-{inserts}.csv"
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(tmp / "l.bin"), "-m", str(model),
-           "-p", PROMPT, "-n", str(n_predict), "-c", "512", "-t", "2", "--fit", "off",
-           *engine.host_experts_args(rpc.endpoint), *engine.cache_args(slots, inserts), "--moe-trace", str(path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    layers = {}
-    for line in r.stdout.splitlines():
-        if line.startswith("moe-cache-layer"):
-            _, il, h, m = line.split()
-            layers[int(il)] = (int(h), int(m))
-    return path, layers
+    run = engine.run_logits(model, tmp / "l.bin", [*engine.host_experts_args(rpc.endpoint),
+                                                   *engine.cache_args(slots, inserts), "--moe-trace", str(path)],
+                            prompt=PROMPT, n_predict=n_predict, ctx=512, timeout=600)
+    return path, run.layers
 
 
 @pytest.mark.parametrize("inserts", [1, 0])
@@ -79,11 +71,8 @@ def test_replay_matches_engine_across_server_requests(model_q8, rpc, tmp_path):
 
 def test_trace_without_cache_is_routing_only(model_q8, rpc, tmp_path):
     path = tmp_path / "off.csv"
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(tmp_path / "l.bin"), "-m", str(model_q8),
-           "-p", PROMPT, "-n", "8", "-c", "512", "-t", "2", "--fit", "off",
-           *engine.host_experts_args(rpc.endpoint), "--moe-trace", str(path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    engine.run_logits(model_q8, tmp_path / "l.bin", [*engine.host_experts_args(rpc.endpoint), "--moe-trace", str(path)],
+                      prompt=PROMPT, n_predict=8, ctx=512)
     f = tr.read_trace(path).frame
     assert (f["hit"] == -1).all()
     spec = models.read_spec(model_q8)
@@ -107,12 +96,9 @@ def test_replay_matches_engine_on_real_routing(granite, rpc, tmp_path, slots):
     model, csv, n_prompt = granite
     path = tmp_path / "seen.csv"
     n_predict = 24
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(tmp_path / "l.bin"), "-m", str(model),
-           "-p", " ".join(["hello"] * (n_prompt - 1)), "-n", str(n_predict), "-c", "512", "-t", "2", "--fit", "off",
-           *engine.host_experts_args(rpc.endpoint), *engine.cache_args(slots), "--moe-route-replay", str(csv),
-           "--moe-trace", str(path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    engine.run_logits(model, tmp_path / "l.bin", [*engine.host_experts_args(rpc.endpoint), *engine.cache_args(slots),
+                                                  "--moe-route-replay", str(csv), "--moe-trace", str(path)],
+                      prompt=" ".join(["hello"] * (n_prompt - 1)), n_predict=n_predict, ctx=512, timeout=600)
     t = tr.read_trace(path)
     f = t.frame
     decode = f[f["phase"] == "decode"]
