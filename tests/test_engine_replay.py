@@ -84,16 +84,18 @@ def test_trace_without_cache_is_routing_only(model_q8, rpc, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def granite():
+def granite_replay():
+    """(model of the granite trace's shape, the trace as engine CSV, prompt tokens): demo.granite_replay();
+    not conftest's ``granite``, which is the trace itself."""
     return demo.granite_replay()
 
 
 @pytest.mark.parametrize("slots", [6, 16])
-def test_replay_matches_engine_on_real_routing(granite, rpc, tmp_path, slots):
+def test_replay_matches_engine_on_real_routing(granite_replay, rpc, tmp_path, slots):
     """The granite trace replayed through a model of its shape (--moe-route-replay): the engine's
     hits and misses on real routing are the simulator's, lookup for lookup, and the routing the
     engine saw is the trace's."""
-    model, csv, n_prompt = granite
+    model, csv, n_prompt = granite_replay
     path = tmp_path / "seen.csv"
     n_predict = 24
     engine.run_logits(model, tmp_path / "l.bin", [*engine.host_experts_args(rpc.endpoint), *engine.cache_args(slots),
@@ -115,7 +117,7 @@ def test_replay_matches_engine_on_real_routing(granite, rpc, tmp_path, slots):
     assert 0.2 < hit < 0.99  # real locality: neither all misses nor all hits
 
 
-def test_demo_replays_granite_routing(granite):
+def test_demo_replays_granite_routing(granite_replay):
     lines: list[str] = []
     off, on = demo.run_demo(route_replay="granite", n_predict=16, out=lines.append)
     assert off.text == on.text and on.tokens_predicted == 16
