@@ -41,7 +41,7 @@ def test_sycl_reorder_skip_matches_the_slot_names():
     sycl = next((root / "patches").glob("*ggml-sycl-never-reorder*.patch")).read_text()
     assert 'strcmp(t->name + n - 6, ".cache") == 0' in sycl
     assert sycl.count("ggml_sycl_tensor_is_rewritten(src0)") == 2  # MUL_MAT and MUL_MAT_ID entry points
-    ext = (root / "ggml-ext" / "llama-moe-cache.cpp").read_text()
+    ext = "".join(p.read_text() for p in sorted((root / "ggml-ext").glob("llama-moe*.cpp")))
     slot_names = re.findall(r'ggml_format_name\(l\.slots\[p\], "([^"]+)"', ext)
     assert slot_names and all(n.endswith(".cache") for n in slot_names)
     others = re.findall(r'ggml_format_name\([^,]+, "([^"]+)"', ext)

@@ -19,7 +19,7 @@
 #include "arg.h"
 #include "common.h"
 #include "llama.h"
-#include "llama-moe-cache.h"
+#include "llama-moe.h"
 
 #include <cstddef>
 #include <cstdio>

@@ -1,0 +1,117 @@
+#pragma once
+
+// pybmoe: the hooks that the patch series calls from upstream llama.cpp (patches 0003 and 0008):
+// model load and teardown, graph building, and the step around each ubatch's graph.
+//
+// Holds: declarations only, with forward-declared types, so that an upstream file that includes it
+// sees no pybmoe internals.
+// Must not hold: state or logic (the owner is llama-moe-model.h; each concern has its own file), or
+// the exported C API (llama-moe.h, included here for the callers' convenience).
+//
+// How a cached layer is computed: for every host-resident MoE layer (experts on the CPU, router on
+// a device) the model owns companion tensors in the router's buffer type:
+//   up/gate/down slots  [ne0, ne1, n_phys + 1]    n_phys = slots + staging; the last is all zeros
+//   dev_table           I32 [1, n_expert]         expert id -> slot (n_phys when not resident)
+// and, in a host buffer, the same table (src[3] of the host MUL_MAT_ID) plus the routing that the
+// last graph observed. A layer is computed twice, exactly split: the host chain skips resident
+// experts (their rows are zero), the device chain runs on the slots (misses hit the zero slot),
+// and the two down outputs are summed before the routing weights are applied.
+//
+// State changes only in llama_moe_cache_after_ubatch(), right after a ubatch's graph, with no graph
+// in flight. The misses of step t are known then; their uploads go to free (staging) slots while
+// step t+1 runs, and become resident after step t+1 (so for step t+2), evicting the least
+// recently used resident. A graph never reads a slot being written, residents keep serving while
+// uploads are in flight, and the hit/miss sequence is a deterministic function of the routing.
+
+#include "llama-moe.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct ggml_context;
+struct ggml_cgraph;
+struct ggml_tensor;
+
+struct llama_model;
+struct llama_model_loader;
+struct llama_ubatch;
+
+struct llama_moe_cache;       // the model's owner of everything pybmoe adds (llama-moe-model.h)
+struct llama_moe_cache_layer; // one layer of the VRAM tier (llama-moe-vram.h)
+
+//
+// load and teardown
+//
+
+// records where each expert tensor's bytes live in the GGUF file(s); called once after load
+void llama_moe_cache_record_sources(llama_model & model, const llama_model_loader & ml,
+                                    const std::vector<std::string> & paths);
+
+void llama_moe_cache_free(llama_moe_cache * mc);
+
+// context teardown: print the summary line
+void llama_moe_cache_on_context_free(const llama_model & model);
+
+//
+// graph building
+//
+
+// the owner to use for graphs of this model (the cache, the trace and/or route replay), or nullptr
+// when all are off
+const llama_moe_cache * llama_moe_cache_active(const llama_model & model);
+
+// extra graph nodes the cache, the trace and route replay add (for graph_max_nodes)
+uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc);
+
+// what build_moe_ffn is about to build for one layer
+struct llama_moe_cache_ffn_desc {
+    ggml_context * ctx;
+    ggml_cgraph  * gf;
+    ggml_tensor  * selected;  // I32 [n_expert_used, n_tokens], the routing (traced when --moe-trace is on)
+    int      il;
+    int64_t  n_ubatch;        // tokens in the ubatch (the last layer may see fewer: only the outputs)
+    const ggml_tensor * up_exps;
+    const ggml_tensor * gate_exps;    // nullptr: no gate
+    const ggml_tensor * down_exps;
+    const ggml_tensor * gate_up_exps; // fused gate_up (then up_exps and gate_exps are nullptr)
+    bool     has_lora;
+};
+
+// --moe-route-replay: the ids this layer uses instead of `selected` (I32 [n_expert_used, n_rows]);
+// `selected` itself when the layer is not replayed. n_ubatch: tokens in the graph's ubatch.
+ggml_tensor * llama_moe_route_replay_ids(const llama_moe_cache * mc, ggml_context * ctx, ggml_tensor * selected,
+                                         int il, int64_t n_ubatch);
+
+// the cache layer that serves this FFN, or nullptr (the stock graph is built; the reason is logged once);
+// also adds the trace node when tracing
+const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d);
+
+// Splits one MoE layer between host and device. `out_h` is the host chain's output before the
+// routing weights (the down MUL_MAT_ID, with a down scale if the layer has one): every node between
+// the FFN input and `out_h` that depends on a MUL_MAT_ID of a cached expert tensor is cloned into a
+// device chain over the slots (see llama-moe-graph.cpp), the host MUL_MAT_IDs get the skip table,
+// and the result is host + device. Any chain of views, activations, clamps, add_id biases and
+// gathered scales is accepted (fused gate_up, gpt-oss biases, gemma4 scales, llama4 weighting); a
+// chain it cannot clone (e.g. in-place ops, LoRA) returns `out_h` unchanged with one WARN line.
+//   inp      [n_embd, 1, n_tokens]     FFN input (where the walk back stops)
+//   selected I32 [n_expert_used, n_tokens]
+//   result   [n_embd, n_expert_used, n_tokens]
+ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_cache_layer * l,
+                                          ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * out_h);
+
+// the device copy of a cached layer's expert bias (up, gate, gate_up or down), or `bias` itself when
+// `l` is nullptr or has none: build_moe_ffn adds the down bias from it, once, after the split's sum
+ggml_tensor * llama_moe_cache_bias(const llama_moe_cache_layer * l, ggml_tensor * bias);
+
+//
+// the step around each ubatch's graph
+//
+
+typedef struct ggml_backend_sched * ggml_backend_sched_t;
+
+// before_ubatch marks a graph in flight; after_ubatch (ubatch nullptr when the graph failed) waits for
+// it, accounts its routing (and writes trace rows), publishes the uploads started after the previous
+// ubatch and starts new ones. Tables change only there.
+void llama_moe_cache_before_ubatch(const llama_model & model);
+void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch * ubatch);

@@ -1,0 +1,141 @@
+// pybmoe: the model's owner and the hooks around it: load, teardown and the step around each
+// ubatch's graph, which drives the tiers, the trace and route replay in order. See llama-moe-model.h.
+//
+// Holds: the order of the per-step protocol and the owner's lifetime. Must not hold: a concern's
+// own logic (each is a call into its file).
+
+#include "llama-moe-model.h"
+
+#include "llama-impl.h"
+#include "llama-model.h"
+#include "llama-batch.h"
+
+#include <cstdarg>
+#include <cstring>
+
+bool llama_moe_is_moe_layer(const llama_layer & layer) {
+    return layer.ffn_gate_inp && (layer.ffn_up_exps || layer.ffn_gate_up_exps);
+}
+
+void llama_moe_log::once(const char * key, const char * fmt, ...) const {
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!seen.insert(key).second) {
+            return;
+        }
+    }
+    char buf[512];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, args);
+    va_end(args);
+    if (strncmp(buf, "WARNING", 7) == 0) {
+        LLAMA_LOG_WARN("moe-cache: %s\n", buf); // the cache is not serving something it was asked to
+    } else {
+        LLAMA_LOG_INFO("moe-cache: %s\n", buf);
+    }
+}
+
+//
+// load and teardown
+//
+
+void llama_moe_cache_record_sources(llama_model & model, const llama_model_loader & ml, const std::vector<std::string> & paths) {
+    if (paths.empty() || paths[0].empty()) {
+        return; // loaded from a FILE * or from metadata: no source; init reports it
+    }
+    auto * mc = model.moe_cache ? model.moe_cache : new llama_moe_cache();
+    model.moe_cache = mc;
+    mc->sources.record(ml, paths);
+    llama_moe_vram_fit_probe(model, paths[0]);
+}
+
+void llama_moe_cache_free(llama_moe_cache * mc) {
+    delete mc;
+}
+
+void llama_moe_cache_on_context_free(const llama_model & model) {
+    const llama_moe_cache * mc = model.moe_cache;
+    if (mc == nullptr || !mc->vram.enabled()) {
+        return;
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    mc->vram.print_summary();
+}
+
+//
+// graph building
+//
+
+const llama_moe_cache * llama_moe_cache_active(const llama_model & model) {
+    const llama_moe_cache * mc = model.moe_cache;
+    return mc && mc->active() ? mc : nullptr;
+}
+
+//
+// the step around each ubatch's graph
+//
+
+void llama_moe_cache_before_ubatch(const llama_model & model) {
+    if (model.moe_cache) {
+        model.moe_cache->n_busy++;
+    }
+}
+
+void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch * ubatch) {
+    llama_moe_cache * mc = model.moe_cache;
+    if (mc == nullptr) {
+        return;
+    }
+    mc->n_busy--;
+    if (ubatch == nullptr || !mc->active()) {
+        return; // the graph failed, or nothing to do
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    ggml_backend_sched_synchronize(sched); // no graph in flight from here on
+
+    if (mc->replay.on()) {
+        mc->replay.advance(ubatch->n_tokens);
+    }
+
+    auto & vram = mc->vram;
+    if (vram.enabled()) {
+        vram.account();
+    }
+    if (mc->trace.on()) {
+        mc->trace.rows(*ubatch, [&vram](int il) -> const llama_moe_residency_layer * {
+            const llama_moe_cache_layer * l = vram.enabled() ? vram.layer(il) : nullptr;
+            return l && vram.res.layers[l->ir].served_now ? &vram.res.layers[l->ir] : nullptr;
+        });
+    }
+    if (!vram.enabled()) {
+        return;
+    }
+
+    vram.settle();   // uploads started after the previous ubatch become visible now
+    vram.publish();  // both copies of the tables change together
+    vram.schedule(); // into free slots, which no table entry points at; copied while the next graph runs
+}
+
+//
+// C API: settings that belong to the owner
+//
+
+int32_t llama_model_moe_cache_set_max_batch(llama_model * model, int32_t n_tokens) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || mc->vram.enabled() || mc->trace.on() || n_tokens < 1 || n_tokens > LLAMA_MOE_CACHE_MAX_BATCH_LIMIT) {
+        LLAMA_LOG_ERROR("%s: moe-cache: max batch %d refused: it must be 1 .. %d, set on a GGUF-loaded model before the "
+                "cache or the trace is opened\n", __func__, n_tokens, LLAMA_MOE_CACHE_MAX_BATCH_LIMIT);
+        return -1;
+    }
+    mc->max_batch = n_tokens;
+    return n_tokens;
+}
+
+bool llama_model_moe_cache_reserve(llama_model * model, ggml_backend_dev_t dev, size_t nbytes) {
+    if (model == nullptr || model->moe_cache == nullptr || model->moe_cache->vram.enabled() || dev == nullptr) {
+        return false;
+    }
+    model->moe_cache->reserve[dev] = nbytes;
+    return true;
+}

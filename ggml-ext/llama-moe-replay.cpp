@@ -1,0 +1,213 @@
+// pybmoe: route replay (--moe-route-replay FILE). See llama-moe-replay.h.
+//
+// Holds: the trace's parse and checks, the buffers that feed the graph, the cursor, and the C API
+// entry point. Must not hold: any tier's state or trace writing.
+
+#include "llama-moe-model.h"
+
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <cstring>
+#include <map>
+
+int32_t llama_moe_replay::open(const llama_model & model, const char * path, int32_t n_ubatch) {
+    const auto & hp = model.hparams;
+    const int32_t n_layer  = (int32_t) model.layers.size();
+    const int32_t n_expert = (int32_t) hp.n_expert;
+    const int32_t n_used   = (int32_t) hp.n_expert_used();
+    std::vector<bool> is_moe(n_layer, false);
+    int n_moe = 0;
+    for (int il = 0; il < n_layer; ++il) {
+        is_moe[il] = llama_moe_is_moe_layer(model.layers[il]);
+        n_moe += is_moe[il];
+    }
+    if (n_moe == 0) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: the model has no MoE layers to replay %s into\n", "llama_model_moe_route_replay_open", path);
+        return -1;
+    }
+    FILE * f = fopen(path, "rb");
+    if (f == nullptr) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: cannot read %s\n", "llama_model_moe_route_replay_open", path);
+        return -1;
+    }
+    // rows: workload,phase,ubatch,token,layer,rank,expert,hit (what --moe-trace writes); a token is a
+    // (workload, token) pair, in the order of first appearance
+    std::map<std::pair<std::string, long long>, int64_t> tok_of;
+    std::vector<int32_t> ids; // [n_tok][n_layer][n_used], -1 = not in the trace
+    const int64_t row = (int64_t) n_layer * n_used;
+    char line[512];
+    long long lineno = 0;
+    std::string err;
+    while (fgets(line, sizeof(line), f)) {
+        lineno++;
+        if (line[0] == '#' || line[0] == '\n' || strncmp(line, "workload,", 9) == 0) {
+            continue;
+        }
+        char workload[256], phase[32];
+        long long ub, tok;
+        int layer, rank, expert, hit;
+        if (sscanf(line, "%255[^,],%31[^,],%lld,%lld,%d,%d,%d,%d", workload, phase, &ub, &tok, &layer, &rank, &expert, &hit) != 8) {
+            err = format("line %lld is not a trace row (workload,phase,ubatch,token,layer,rank,expert,hit)", lineno);
+            break;
+        }
+        if (layer < 0 || layer >= n_layer || !is_moe[layer]) {
+            err = format("line %lld: layer %d is not a MoE layer of this model (%d layers)", lineno, layer, n_layer);
+            break;
+        }
+        if (rank < 0 || rank >= n_used) {
+            err = format("line %lld: rank %d, but the model's top-k is %d; the trace is of another shape", lineno, rank, n_used);
+            break;
+        }
+        if (expert < 0 || expert >= n_expert) {
+            err = format("line %lld: expert %d, but the model has %d experts per layer", lineno, expert, n_expert);
+            break;
+        }
+        auto [it, fresh] = tok_of.try_emplace({ workload, tok }, (int64_t) tok_of.size());
+        if (fresh) {
+            ids.resize(ids.size() + row, -1);
+        }
+        ids[it->second * row + (int64_t) layer * n_used + rank] = expert;
+    }
+    fclose(f);
+    if (err.empty() && tok_of.empty()) {
+        err = "no trace rows";
+    }
+    if (!err.empty()) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: %s: %s\n", "llama_model_moe_route_replay_open", path, err.c_str());
+        return -1;
+    }
+    for (int il = 0; il < n_layer && err.empty(); ++il) {
+        bool any = false;
+        for (int64_t t = 0; is_moe[il] && !any && t < (int64_t) tok_of.size(); ++t) {
+            any = ids[t * row + (int64_t) il * n_used] >= 0;
+        }
+        if (is_moe[il] && !any) {
+            err = format("MoE layer %d has no rows; the trace is of another shape (the model has %d MoE layers)", il, n_moe);
+        }
+    }
+    if (!err.empty()) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: %s: %s\n", "llama_model_moe_route_replay_open", path, err.c_str());
+        return -1;
+    }
+    // a (token, layer) the trace lacks (a layer that computed only the outputs) repeats the layer's
+    // previous token, or experts 0..k-1 at the start: those rows are not computed when the batching matches
+    const int64_t n_tok = (int64_t) tok_of.size();
+    int64_t n_filled = 0;
+    for (int64_t t = 0; t < n_tok; ++t) {
+        for (int il = 0; il < n_layer; ++il) {
+            if (!is_moe[il]) {
+                continue;
+            }
+            int32_t * dst = ids.data() + t * row + (int64_t) il * n_used;
+            bool complete = true;
+            for (int k = 0; k < n_used; ++k) {
+                complete = complete && dst[k] >= 0;
+            }
+            if (!complete) {
+                n_filled++;
+                for (int k = 0; k < n_used; ++k) {
+                    dst[k] = t > 0 ? dst[k - row] : k;
+                }
+            }
+        }
+    }
+
+    ggml_init_params params = { (size_t) n_moe * ggml_tensor_overhead() + 1, nullptr, true };
+    ctx.reset(ggml_init(params));
+    tensor_of_il.assign(n_layer, -1);
+    for (int il = 0; il < n_layer; ++il) {
+        if (is_moe[il]) {
+            ggml_tensor * t = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, n_used, n_ubatch);
+            ggml_format_name(t, "blk.%d.ffn_moe_replay", il);
+            tensor_of_il[il] = (int32_t) tensors.size();
+            tensors.push_back(t);
+        }
+    }
+    buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), ggml_backend_cpu_buffer_type()));
+    GGML_ASSERT(buf);
+    this->ids     = std::move(ids);
+    this->n_layer = n_layer;
+    this->n_used  = n_used;
+    cap     = n_ubatch;
+    this->path    = path;
+    cursor  = 0;
+    this->n_tok   = n_tok;
+    fill();
+    LLAMA_LOG("%s: moe-route-replay: %d MoE layers take their experts from %s (%lld tokens, %lld layer rows "
+            "filled from the previous token); the routing weights stay the router's\n", "llama_model_moe_route_replay_open", n_moe, path,
+            (long long) n_tok, (long long) n_filled);
+    return n_moe;
+}
+
+void llama_moe_replay::fill() {
+    const int64_t row = (int64_t) n_layer * n_used;
+    for (int32_t il = 0; il < (int32_t) tensor_of_il.size(); ++il) {
+        if (tensor_of_il[il] < 0) {
+            continue;
+        }
+        int32_t * dst = (int32_t *) tensors[tensor_of_il[il]]->data;
+        for (int64_t t = 0; t < cap; ++t) {
+            const int64_t tok = (int64_t) ((cursor + t) % (uint64_t) n_tok);
+            memcpy(dst + t * n_used, ids.data() + tok * row + (int64_t) il * n_used,
+                    n_used * sizeof(int32_t));
+        }
+    }
+}
+
+void llama_moe_replay::advance(int64_t n_tokens) {
+    // warn when this ubatch used a token of a later pass than the one before it did
+    const uint64_t n = (uint64_t) n_tok;
+    const uint64_t pass_before = cursor == 0 ? 0 : (cursor - 1) / n;
+    cursor += n_tokens;
+    if (n_tokens > 0 && (cursor - 1) / n > pass_before) {
+        LLAMA_LOG_WARN("%s: moe-route-replay: WARNING the trace %s ran out after %lld tokens; wrapping to its start "
+                "(pass %llu)\n", "llama_moe_replay_advance", path.c_str(), (long long) n_tok,
+                (unsigned long long) ((cursor - 1) / n) + 1);
+    }
+    fill();
+}
+
+ggml_tensor * llama_moe_replay::graph_ids(const llama_moe_log & log, ggml_context * ctx0, ggml_tensor * selected, int il,
+                                          int64_t n_ubatch) const {
+    if (il < 0 || il >= (int) tensor_of_il.size() ||
+        tensor_of_il[il] < 0) {
+        return selected;
+    }
+    const int64_t n_rows = selected->ne[1];
+    if (selected->ne[0] != n_used || n_ubatch > cap || n_rows > n_ubatch) {
+        log.once("replay-cap", "WARNING route replay skips graphs of more than %lld tokens (the ubatch it "
+                "was opened with) or of another top-k; those use the router's own routing", (long long) cap);
+        return selected;
+    }
+    ggml_tensor * t = tensors[tensor_of_il[il]];
+    // a layer that computes fewer rows than the ubatch (the last one computes only the outputs) takes
+    // the ubatch's last tokens, as the trace writer records it for the usual single output
+    ggml_tensor * out = ggml_view_2d(ctx0, t, n_used, n_rows, t->nb[1], (size_t) (n_ubatch - n_rows) * t->nb[1]);
+    ggml_format_name(out, "blk.%d.ffn_moe_topk_replay", il);
+    return out;
+}
+
+int32_t llama_model_moe_route_replay_open(llama_model * model, const char * path, int32_t n_ubatch) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (path == nullptr || path[0] == '\0') {
+        return 0;
+    }
+    if (mc == nullptr) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: the model was not loaded from a GGUF path\n", __func__);
+        return -1;
+    }
+    if (mc->replay.on()) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: already replaying %s\n", __func__, mc->replay.path.c_str());
+        return -1;
+    }
+    if (n_ubatch <= 0) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: n_ubatch must be > 0, got %d\n", __func__, n_ubatch);
+        return -1;
+    }
+    return mc->replay.open(*model, path, n_ubatch);
+}

@@ -1,0 +1,169 @@
+// pybmoe: the residency bookkeeping of one expert tier. See llama-moe-residency.h.
+//
+// Holds: the policy's decisions only. Must not hold: ggml, I/O, threads or logging.
+
+#include "llama-moe-residency.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+#define LLAMA_MOE_RES_ASSERT(x)                                                        \
+    do {                                                                               \
+        if (!(x)) {                                                                    \
+            fprintf(stderr, "%s:%d: moe residency: assertion failed: %s\n", __FILE__, __LINE__, #x); \
+            abort();                                                                   \
+        }                                                                              \
+    } while (0)
+
+int32_t llama_moe_stage_slots(int32_t n_expert, int32_t n_used, int32_t n_slots, int32_t n_inserts, int32_t max_batch) {
+    return std::min({ n_inserts > 0 ? n_inserts : n_used, n_used * max_batch, n_expert - n_slots });
+}
+
+bool llama_moe_residency_layer::is_resident(int32_t e) const {
+    return table[e] < n_phys;
+}
+
+int32_t llama_moe_residency::add_layer(int32_t n_expert, int32_t n_slots, int32_t n_stage) {
+    LLAMA_MOE_RES_ASSERT(n_expert > 0 && n_slots >= 0 && n_stage >= 0);
+    llama_moe_residency_layer l;
+    l.n_expert = n_expert;
+    l.n_slots  = n_slots;
+    l.n_cap    = n_slots;
+    l.n_stage  = n_stage;
+    l.n_phys   = n_slots + n_stage;
+    l.table.assign(n_expert, l.n_phys);
+    l.used.assign(n_expert, 0);
+    l.slot_expert.assign(l.n_phys, -1);
+    l.slot_state.assign(l.n_phys, LLAMA_MOE_SLOT_FREE);
+    l.dirty = true; // the tables have never been published
+    layers.push_back(std::move(l));
+    return (int32_t) layers.size() - 1;
+}
+
+void llama_moe_residency::lookup(int32_t il, const int32_t * ids, int64_t n) {
+    auto & l = layers.at(il);
+    l.served_now = true;
+    l.misses_now.clear();
+    l.hits_now.clear();
+    l.last_step = step;
+    for (int64_t i = 0; i < n; ++i) {
+        const int32_t e = ids[i];
+        LLAMA_MOE_RES_ASSERT(e >= 0 && e < l.n_expert);
+        l.used[e] = step;
+        const bool hit = l.is_resident(e);
+        l.hits_now.push_back(hit);
+        if (hit) {
+            l.hits++;
+        } else {
+            l.misses++;
+            if (std::find(l.misses_now.begin(), l.misses_now.end(), e) == l.misses_now.end()) {
+                l.misses_now.push_back(e);
+            }
+        }
+    }
+}
+
+void llama_moe_residency::skip(int32_t il) {
+    layers.at(il).served_now = false;
+}
+
+void llama_moe_residency::end_ubatch(bool any_served) {
+    if (any_served) {
+        n_steps++;
+        step++;
+    }
+}
+
+int32_t llama_moe_residency::lru_victim(int32_t il, uint64_t used_before) const {
+    const auto & l = layers.at(il);
+    int32_t victim = -1;
+    for (int32_t q = 0; q < l.n_phys; ++q) {
+        if (l.slot_state[q] != LLAMA_MOE_SLOT_RESIDENT || l.used[l.slot_expert[q]] >= used_before) {
+            continue;
+        }
+        const int32_t x = l.slot_expert[q];
+        const int32_t v = victim < 0 ? -1 : l.slot_expert[victim];
+        if (victim < 0 || l.used[x] < l.used[v] || (l.used[x] == l.used[v] && x < v)) {
+            victim = q;
+        }
+    }
+    return victim;
+}
+
+void llama_moe_residency::evict(int32_t il, int32_t q) {
+    auto & l = layers.at(il);
+    LLAMA_MOE_RES_ASSERT(q >= 0 && q < l.n_phys && l.slot_state[q] == LLAMA_MOE_SLOT_RESIDENT);
+    l.table[l.slot_expert[q]] = l.n_phys;
+    l.slot_state[q]  = LLAMA_MOE_SLOT_FREE;
+    l.slot_expert[q] = -1;
+    l.n_resident--;
+    l.dirty = true;
+}
+
+void llama_moe_residency::settle() {
+    for (const auto & m : moving) {
+        auto & l = layers.at(m.layer);
+        LLAMA_MOE_RES_ASSERT(l.slot_state[m.slot] == LLAMA_MOE_SLOT_MOVING && l.slot_expert[m.slot] == m.expert);
+        if (l.n_resident == l.n_slots) {
+            // never evict an expert the last step looked up
+            const int32_t victim = lru_victim(m.layer, l.last_step);
+            if (victim < 0) {
+                // every resident expert was needed just now: drop the move
+                l.slot_state[m.slot]  = LLAMA_MOE_SLOT_FREE;
+                l.slot_expert[m.slot] = -1;
+                continue;
+            }
+            evict(m.layer, victim);
+        }
+        l.table[m.expert]     = m.slot;
+        l.slot_state[m.slot]  = LLAMA_MOE_SLOT_RESIDENT;
+        l.n_resident++;
+        l.dirty = true;
+    }
+    moving.clear();
+}
+
+void llama_moe_residency::schedule() {
+    for (int32_t il = 0; il < (int32_t) layers.size(); ++il) {
+        auto & l = layers[il];
+        int32_t budget = n_inserts > 0 ? n_inserts : l.n_expert;
+        if (l.n_slots == 0) {
+            budget = 0; // resized to nothing: a move could never become resident
+        }
+        int32_t p = 0;
+        for (int32_t e : l.misses_now) {
+            if (budget == 0) {
+                break;
+            }
+            if (l.is_resident(e)) {
+                continue; // became resident at this settle (an earlier miss of the same expert)
+            }
+            // moves go to free slots only: residents keep serving while they are written
+            while (p < l.n_phys && l.slot_state[p] != LLAMA_MOE_SLOT_FREE) {
+                p++;
+            }
+            if (p == l.n_phys) {
+                break;
+            }
+            l.slot_state[p]  = LLAMA_MOE_SLOT_MOVING;
+            l.slot_expert[p] = e;
+            moving.push_back({ il, e, p });
+            budget--;
+        }
+        l.misses_now.clear();
+    }
+}
+
+void llama_moe_residency::resize(int32_t n_slots) {
+    LLAMA_MOE_RES_ASSERT(moving.empty() && n_slots >= 0);
+    for (int32_t il = 0; il < (int32_t) layers.size(); ++il) {
+        auto & l = layers[il];
+        l.n_slots = std::min(n_slots, l.n_cap);
+        // shrinking evicts at once, least recently used first
+        while (l.n_resident > l.n_slots) {
+            evict(il, lru_victim(il, UINT64_MAX));
+        }
+        l.misses_now.clear();
+    }
+}

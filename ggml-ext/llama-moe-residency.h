@@ -1,0 +1,104 @@
+#pragma once
+
+// pybmoe: the residency bookkeeping of one expert tier: which expert of which layer sits in which
+// slot, the policy that admits and evicts, the insert cap, and when an entry becomes visible.
+//
+// Holds: flat per-layer arrays (in the manner of llama-kv-cells.h) and the step protocol
+//   lookup (each served layer step) -> end_ubatch -> settle (moves of the last ubatch become
+//   visible) -> schedule (this step's misses become moves into free slots)
+// Must not hold: ggml, I/O, threads or logging. The tier that owns it moves the bytes (between
+// schedule and settle) and publishes the tables; this file only decides.
+//
+// The policy today is per-layer LRU with an upload lag (docs/expert-cache.md, "The policy,
+// exactly"): a miss at step s is scheduled after step s, its bytes move while step s+1 runs, and it
+// is resident from step s+2, evicting argmin (last use, expert id) among the residents that step
+// s+1 did not look up (or dropped when every resident was looked up). pybmoe.routing.sim replays
+// the same rules ("layer-lru"); tests/routing/test_residency.py holds the two equal, event for
+// event, on the bundled granite trace.
+
+#include <cstdint>
+#include <vector>
+
+enum llama_moe_slot_state : uint8_t {
+    LLAMA_MOE_SLOT_FREE,
+    LLAMA_MOE_SLOT_MOVING,   // bytes being written; no table entry points here
+    LLAMA_MOE_SLOT_RESIDENT,
+};
+
+// an expert on its way into a slot: scheduled after one step, visible after the next
+struct llama_moe_move {
+    int32_t layer;  // index into llama_moe_residency::layers
+    int32_t expert;
+    int32_t slot;
+};
+
+// staging slots of a layer with n_slots residents: the moves one step can start; top-k unless the
+// insert cap (0 = none) asks for more (a step of max_batch tokens misses at most n_used * max_batch
+// distinct experts), never more than the experts that are not resident
+int32_t llama_moe_stage_slots(int32_t n_expert, int32_t n_used, int32_t n_slots, int32_t n_inserts, int32_t max_batch);
+
+// one layer's slots
+struct llama_moe_residency_layer {
+    int32_t n_expert = 0;
+    int32_t n_slots  = 0; // resident capacity now (a resize changes it)
+    int32_t n_cap    = 0; // the most n_slots can be set to
+    int32_t n_stage  = 0; // extra slots that moves land in while the residents keep serving
+    int32_t n_phys   = 0; // n_cap + n_stage; as a table value it means "not resident"
+
+    std::vector<int32_t>  table;       // [n_expert] expert -> slot, n_phys when not resident
+    std::vector<uint64_t> used;        // [n_expert] the last step the expert was looked up (0 = never)
+    std::vector<int32_t>  slot_expert; // [n_phys]   -1 when free
+    std::vector<uint8_t>  slot_state;  // [n_phys]   llama_moe_slot_state
+    std::vector<int32_t>  misses_now;  // distinct experts missed at the last served step, in lookup order
+    std::vector<int8_t>   hits_now;    // per lookup of the last served step: 1 hit, 0 miss
+    bool     served_now = false;       // the last ubatch looked this layer up
+    uint64_t last_step  = 0;           // the step of hits_now / misses_now
+    int32_t  n_resident = 0;           // <= n_slots
+    bool     dirty      = false;       // table changed since the owner last published it
+
+    uint64_t hits   = 0;
+    uint64_t misses = 0;
+
+    bool is_resident(int32_t e) const;
+};
+
+struct llama_moe_residency {
+    std::vector<llama_moe_residency_layer> layers;
+
+    int32_t  n_inserts = 0;  // moves per layer per step (0 = unlimited)
+    uint64_t step      = 1;  // the current step; 0 in `used` means never
+    uint64_t n_steps   = 0;  // ubatches with at least one served layer
+
+    std::vector<llama_moe_move> moving; // scheduled after the last ubatch, settled after the next
+
+    // adds a layer of n_expert experts with n_slots residents and n_stage staging slots; returns its index
+    int32_t add_layer(int32_t n_expert, int32_t n_slots, int32_t n_stage);
+
+    // one served layer step: ids[0 .. n) are its lookups in router order (token-major, rank-minor)
+    void lookup(int32_t il, const int32_t * ids, int64_t n);
+
+    // a ubatch that did not look layer il up
+    void skip(int32_t il);
+
+    // after every layer of a ubatch: a step passed when any layer was served
+    void end_ubatch(bool any_served);
+
+    // the moves scheduled after the previous ubatch are done: each becomes resident (evicting the
+    // least recently used resident the last step did not look up when the layer is full) or, when
+    // every resident was looked up, is dropped. Clears `moving`.
+    void settle();
+
+    // the misses of the last served step become moves into free slots, at most the insert cap per
+    // layer and never more than the free slots; appends to `moving`
+    void schedule();
+
+    // sets the residents per layer to min(n_slots, n_cap); a shrink evicts the least recently used
+    // at once. Call with nothing moving (settle first).
+    void resize(int32_t n_slots);
+
+    // the least recently used resident slot among experts last used before `used_before`, or -1;
+    // ties go to the lowest expert id, so the choice depends on the routing only, not on slot placement
+    int32_t lru_victim(int32_t il, uint64_t used_before) const;
+
+    void evict(int32_t il, int32_t slot);
+};

@@ -1,0 +1,129 @@
+#pragma once
+
+// pybmoe: the VRAM tier, a device-resident cache of host-resident experts.
+//
+// Holds: per cached layer, the companion tensors (slots, id->slot tables, the observed routing, bias
+// copies) next to the tier's residency, and the per-step protocol that drives them (account,
+// settle, publish, schedule), the stats and the resize.
+// Must not hold: sizing and allocation (llama-moe-vram-init.cpp), graph building
+// (llama-moe-graph.cpp), file reads (llama-moe-source.h) or the policy itself
+// (llama-moe-residency.h).
+
+#include "llama-moe-residency.h"
+#include "llama-moe-source.h"
+
+#include "ggml-cpp.h"
+
+#include <string>
+#include <vector>
+
+struct ggml_tensor;
+struct llama_layer;
+struct llama_moe_cache_stats;
+struct llama_moe_log;
+
+constexpr int LLAMA_MOE_N_PROJ = 3; // the most expert tensors a layer has: up, gate, down (or gate_up, down)
+constexpr int LLAMA_MOE_N_BIAS = 4; // the most expert biases a layer has: up, gate, gate_up, down
+
+// the expert tensors a layer multiplies by, in graph order, and their slot-name stems: {up, gate, down},
+// {up, down} without a gate, or {gate_up, down} when fused; returns how many (0: not an expert layer)
+int llama_moe_proj_list(const ggml_tensor * up, const ggml_tensor * gate, const ggml_tensor * down,
+                        const ggml_tensor * gate_up, const ggml_tensor * out[LLAMA_MOE_N_PROJ],
+                        const char * names[LLAMA_MOE_N_PROJ] = nullptr);
+
+// the per-expert biases of a cached layer (add_id with the original ids): up, gate or fused gate_up,
+// which the device chain adds before the down projection, and down, which build_moe_ffn adds once after
+// the two chains are summed (llama_moe_cache_bias); a device copy of each keeps that work on the device
+int llama_moe_bias_list(const llama_layer & layer, const ggml_tensor * out[LLAMA_MOE_N_BIAS]);
+
+struct llama_moe_cache_layer {
+    int32_t il       = -1; // model layer
+    int32_t ir       = -1; // index into llama_moe_vram::res.layers
+    int32_t n_expert = 0;
+    int32_t n_used   = 0;
+    int32_t n_phys   = 0;  // slots + staging; slot n_phys is the all-zero dummy slot
+
+    const llama_moe_log * log = nullptr; // the owner's, for graph-time lines
+
+    // the host tensors this layer caches (key for graph building), see llama_moe_proj_list
+    int n_proj = 0;
+    const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
+    llama_moe_source    src [LLAMA_MOE_N_PROJ] = {};
+    size_t              expert_nbytes[LLAMA_MOE_N_PROJ] = {}; // one expert's slice of each tensor
+
+    // companions: device (router's buffer type) and host
+    ggml_tensor * slots[LLAMA_MOE_N_PROJ] = {};          // [ne0, ne1, n_phys + 1]
+    int n_bias = 0;                                       // llama_moe_bias_list
+    const ggml_tensor * bias_host[LLAMA_MOE_N_BIAS] = {}; // the model's expert biases
+    ggml_tensor       * bias_dev [LLAMA_MOE_N_BIAS] = {}; // their copies next to the slots
+    ggml_tensor * dev_table  = nullptr;                   // I32 [1, n_expert]
+    ggml_tensor * host_table = nullptr;                   // I32 [n_expert]
+    ggml_tensor * observed   = nullptr;                   // I32 [n_used * max_batch], -1 = not written
+
+    size_t expert_bytes() const {
+        return expert_nbytes[0] + expert_nbytes[1] + expert_nbytes[2];
+    }
+};
+
+struct llama_moe_vram {
+    int32_t n_slots = 0; // slots per layer chosen at load (the most over the devices)
+
+    std::vector<llama_moe_cache_layer> layers;
+    std::vector<int32_t> layer_of_il; // model layer -> index into layers, -1 when not cached
+
+    llama_moe_residency res;          // res.layers[l.ir] is the bookkeeping of layers[i]
+
+    ggml_context_ptr         host_ctx;
+    ggml_backend_buffer_ptr  host_buf;
+    uint64_t alloc_bytes = 0;
+
+    struct device_use {
+        std::string name;   // buffer type, e.g. CUDA0, RPC0[host:port]
+        int64_t     slots;  // slots allocated at load over the layers on it
+        size_t      bytes;  // companion bytes allocated there
+    };
+    std::vector<device_use> devices;
+
+    uint64_t uploads      = 0;
+    uint64_t upload_bytes = 0;
+
+    llama_moe_uploader uploader;
+
+    bool enabled() const {
+        return n_slots > 0 && !layers.empty();
+    }
+
+    // the cached layer of model layer il, or nullptr
+    const llama_moe_cache_layer * layer(int il) const;
+
+    // turns the tier off after a failed start-up
+    void disable();
+
+    // after a ubatch's graph, with no graph in flight: account its routing (the observed tensors)
+    void account();
+
+    // the uploads started after the previous ubatch are done: they become resident
+    void settle();
+
+    // the host and device tables follow the residency (both copies change together)
+    void publish();
+
+    // this step's misses: uploads into free slots, copied while the next graph runs
+    void schedule();
+
+    void get_stats(llama_moe_cache_stats & out) const;
+
+    // the teardown line: "moe-cache: <hit>% hit, resident <X> MiB, uploads <n> (<Y> MiB), ..."
+    void print_summary() const;
+};
+
+struct llama_model;
+
+// llama-moe-vram-init.cpp: selects the layers, sizes the slots (fixed or auto, floor, ceiling),
+// allocates the companions and starts the uploader; the C API's init entry points and the --fit
+// probe (n_slots == LLAMA_MOE_CACHE_AUTO: auto)
+int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inserts, int32_t floor_mib, int32_t ceil_mib);
+
+// called on every load: when this thread asked for --fit accounting of this file
+// (llama_moe_cache_fit_request) and the load is a memory estimate, counts the slots in it
+void llama_moe_vram_fit_probe(llama_model & model, const std::string & path);

@@ -1,0 +1,11 @@
+# pybmoe: the engine files that patch 0003 compiles into libllama (one concern each; see
+# docs/architecture.md). A new file is added here, not in the patch.
+target_sources(llama PRIVATE
+    ${PYBMOE_EXT_DIR}/llama-moe-model.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-residency.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-source.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-vram.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-vram-init.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-graph.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-trace.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-replay.cpp)
