@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pybmoe import engine, models, trace, vendor
-from pybmoe.demo import GRANITE_TRACE
+from pybmoe import engine, models
+from pybmoe.build import vendor
+from pybmoe.routing import trace
+from pybmoe.routing.granite import GRANITE_TRACE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,13 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def granite_raw() -> dict:
     """The granite-3.0-1b-a400m routing trace as its raw JSON (24 layers, 32 experts, top-8; the copy
-    bundled in pybmoe/data/, identical to shared/data/'s: tests/test_trace.py)."""
+    bundled in pybmoe/data/, identical to shared/data/'s: tests/routing/test_trace.py)."""
     return json.loads(GRANITE_TRACE.read_text())
 
 
 @pytest.fixture(scope="session")
 def granite() -> trace.Trace:
-    """The same trace read by pybmoe.trace."""
+    """The same trace read by pybmoe.routing.trace."""
     return trace.read_trace(GRANITE_TRACE)
 
 

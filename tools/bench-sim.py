@@ -24,7 +24,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pybmoe import sim, trace as tr  # noqa: E402
+from pybmoe.routing import sim, trace as tr  # noqa: E402
 
 
 def synthetic_routing(tokens: int, layers: int, experts: int, top_k: int, stick: float, seed: int) -> np.ndarray:

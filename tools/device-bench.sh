@@ -11,7 +11,7 @@
 # 1. builds llama-bench with CUDA (sm_90, FlashAttention kernels off) from the carried patched tree
 #    into build/cuda, plus pybmoe-make-synth and pybmoe-bw (those two first: they need no backend);
 # 2. writes a synthetic qwen3moe model of Qwen3-30B-A3B's shape (48 layers, 128 experts, top-8,
-#    2048 / 768 wide; pybmoe/shapes.py, preset qwen3-30b-a3b) in Q4_0: 17.0 GB, while llama-bench
+#    2048 / 768 wide; pybmoe/models/shapes.py, preset qwen3-30b-a3b) in Q4_0: 17.0 GB, while llama-bench
 #    builds (to /dev/shm when it has room, else build/);
 # 3. measures the host's RAM read, host->device and device (HBM) bandwidths (pybmoe-bw);
 # 4. runs llama-bench (-r 3, pp and tg as separate runs) under --moe-route-replay with a trace of
@@ -21,7 +21,7 @@
 #      vram      -ngl 99 (every expert on the device: the ceiling)
 #    all with --repack 0 (the cache's host chain needs the plain layout; host-repack, the stock
 #    default, runs last if time is left). Runs go in priority order and stop at the deadline;
-# 5. python3 -m pybmoe.devbench: the bandwidth model per point (pybmoe/devbench.py), the CSV and
+# 5. python3 -m pybmoe.cli.devbench: the bandwidth model per point (pybmoe/bench/devbench.py), the CSV and
 #    the PNGs.
 # Output: $OUT (default build/device-bench-out; --cpu-smoke: build/device-bench-smoke):
 #   summary.txt (phase timings and results), device-bench.csv, device-bench-tg.png,
@@ -40,8 +40,8 @@ case "${1:-}" in
 esac
 
 if [ "$MODE" = gpu ]; then
-    # qwen3-30b-a3b as in pybmoe/shapes.py (https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json);
-    # tests/test_device_bench.py checks that these numbers are the preset's
+    # qwen3-30b-a3b as in pybmoe/models/shapes.py (https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json);
+    # tests/bench/test_device_bench.py checks that these numbers are the preset's
     L=${BENCH_LAYERS:-48}; E=128; K=8; D=2048; F=768; H=32; HKV=4; HD=128
     TYPE=${BENCH_TYPE:-q4_0}; SLOTS=${BENCH_SLOTS:-"32 64 96"}
     NP=${BENCH_N_PROMPT:-512}; NG=${BENCH_N_GEN:-128}; REPS=${BENCH_REPS:-3}; TRACE_STEPS=4096
@@ -137,7 +137,7 @@ TRACE=$TMP/trace.csv
 if [ "$MODE" = gpu ] && [ -f build/device/bench-trace.csv.xz ]; then
     xz -dc build/device/bench-trace.csv.xz > "$TRACE"
 else
-    python3 -m pybmoe.synth --from pybmoe/data/granite-3.0-1b-a400m-routing.json --steps $TRACE_STEPS --seed 0 \
+    python3 -m pybmoe.cli trace synth --from pybmoe/data/granite-3.0-1b-a400m-routing.json --steps $TRACE_STEPS --seed 0 \
         --n-layer $L --n-expert $E --top-k $K --out "$TRACE" > "$OUT/trace.log" 2>&1 \
         || { cat "$OUT/trace.log"; log "no trace: run tools/device-pack.sh (or install numpy and pandas)"; exit 1; }
 fi
@@ -225,7 +225,7 @@ for s in $SLOTS; do [ "$s" != "$S_MID" ] && run "cache-$s" pp "$s" cache 0; done
 
 # --- 5. the model and the plots ------------------------------------------------------------------------
 STAND_IN=(); [ "$MODE" = smoke ] && STAND_IN=(--stand-in)
-python3 -m pybmoe.devbench "$OUT" "${STAND_IN[@]}" > "$OUT/table.txt" 2> "$OUT/analysis.log" \
+python3 -m pybmoe.cli.devbench "$OUT" "${STAND_IN[@]}" > "$OUT/table.txt" 2> "$OUT/analysis.log" \
     || { cat "$OUT/analysis.log"; log "analysis failed (the runs are in $OUT/runs)"; }
 cat "$OUT/table.txt" | tee -a "$OUT/summary.txt"
 log "files: $(cd "$OUT" && ls device-bench* 2>/dev/null | tr '\n' ' ')"

@@ -46,7 +46,7 @@ echo "test-backend-ops MUL_MAT_ID rc=$?: $(grep -E 'tests passed|Backend' "$OUT/
 # the duplicate-expert-id cases (patch 0010), with a table per type (python3 is there; pybmoe needs no deps for this)
 timeout 200 "$BIN/test-backend-ops" -b CUDA0 -o MUL_MAT_ID -p dup= > "$OUT/test-backend-ops-dup.txt" 2>&1
 echo "dup-id cases rc=$?: $(grep -E 'tests passed' "$OUT/test-backend-ops-dup.txt" | tail -1)" | tee -a "$OUT/summary.txt"
-PYTHONPATH=. python3 -c "import sys; from pybmoe import backend_ops as b; r=b.parse(open(sys.argv[1]).read()); print(b.table(r))" \
+PYTHONPATH=. python3 -c "import sys; from pybmoe.engine import backend_ops as b; r=b.parse(open(sys.argv[1]).read()); print(b.table(r))" \
     "$OUT/test-backend-ops-dup.txt" | tee -a "$OUT/summary.txt"
 timeout 60 "$BIN/pybmoe-test-skip" > "$OUT/test-skip.txt" 2>&1
 echo "skip-table test rc=$?: $(tail -1 "$OUT/test-skip.txt") ($(grep 'devices checked' "$OUT/test-skip.txt"))" | tee -a "$OUT/summary.txt"

@@ -10,7 +10,7 @@
 #   tools/device-check.sh   (or tools/device-bench.sh) there, from the checkout's root
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LLAMA=$(python3 -m pybmoe.vendor | tail -n 1)
+LLAMA=$(python3 -m pybmoe.cli vendor | tail -n 1)
 mkdir -p build/device
 tar -C "$(dirname "$LLAMA")" -cJf build/device/llama-src.tar.xz \
     --exclude='llama.cpp/models/*.gguf*' --exclude='llama.cpp/docs' --exclude='llama.cpp/media' \

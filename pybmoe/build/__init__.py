@@ -1,0 +1,9 @@
+"""The build layer: the pinned upstream llama.cpp and the patch series over it.
+
+- :mod:`.vendor`: fetch, verify, unpack and patch the pinned sdist into ``vendor/src/``; find the
+  checkout (:func:`~.vendor.project_root`: the working directory first, then ``$PYBMOE_ROOT``,
+  then the folder the package sits in);
+- :mod:`.patches`: list, check, export and rebase ``patches/series``.
+
+Bottom layer: imports nothing of pybmoe outside this package (``tests/test_layering.py``).
+"""

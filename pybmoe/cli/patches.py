@@ -1,0 +1,82 @@
+"""``pybmoe patches list | check | export | rebase``: the patch series against the pinned upstream
+(:mod:`pybmoe.build.patches`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..build import patches, vendor
+
+
+def _report_rebase(res: patches.RebaseResult, root: Path, log=print) -> None:
+    log(patches.format_table(res.results))
+    bad = next((r for r in res.results if r.status == patches.CONFLICTED), None)
+    try:
+        rel = res.tree.relative_to(Path.cwd())
+    except ValueError:
+        rel = res.tree
+    if bad:
+        log(f"\n{bad.patch} conflicted: {bad.detail}\nThe work tree is left in the `git am` state. To resolve:\n"
+            f"  cd {res.tree}\n"
+            f"  git status                       # the conflicted files; edit them, then\n"
+            f"  git add <files>\n"
+            f"  git am --continue\n"
+            f"  cd {root}\n"
+            f"  pybmoe patches rebase --continue {rel}   # replays the remaining patches\n"
+            f"  pybmoe patches export --from {rel}       # when every patch is in\n"
+            f"(or give up: git -C {res.tree} am --abort)")
+    else:
+        log(f"\nall {len(res.results)} patch(es) replayed onto {res.sdist.name} in {rel}.\n"
+            f"To adopt it: pybmoe patches export --from {rel}, then set version, filename, sha256 "
+            f"({res.sha256}) and the llama.cpp commit in vendor/upstream.toml; see docs/rebasing.md.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pybmoe patches", description="the patch series against the pinned upstream")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="the series, in order")
+    sub.add_parser("check", help="apply the series to a fresh pin; exit 0 when every patch applies")
+    ex = sub.add_parser("export", help="rewrite patches/ from a work tree's commits")
+    ex.add_argument("--from", dest="tree", type=Path, default=None,
+                    help="the work tree (default: the pinned tree under vendor/src/)")
+    rb = sub.add_parser("rebase", help="replay the series onto another llama-cpp-python sdist (3-way); "
+                        "exit 0 when no patch conflicts")
+    g = rb.add_mutually_exclusive_group(required=True)
+    g.add_argument("--onto", metavar="VERSION|SDIST", help="a llama-cpp-python version (fetched with pip) "
+                   "or a local .tar.gz sdist")
+    g.add_argument("--continue", dest="cont", metavar="TREE", type=Path,
+                   help="resume a rebase stopped at a conflict, once it is resolved")
+    rb.add_argument("--force", action="store_true", help="discard an existing rebase tree for this sdist")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "list":
+            for name, subject in patches.list_series():
+                print(f"{name}  {subject}")
+            return 0
+        if a.cmd == "check":
+            return 0 if patches.check() else 1
+        if a.cmd == "export":
+            for n in patches.export(tree=a.tree.resolve() if a.tree else None):
+                print(n)
+            return 0
+        if a.cmd == "rebase":
+            root = vendor.project_root()
+            res = patches.rebase_continue(a.cont.resolve()) if a.cont else patches.rebase(a.onto, root, force=a.force)
+            _report_rebase(res, root)
+            return 0 if res.ok else 1
+    except ValueError as e:
+        print(f"pybmoe patches: error: {e}", file=sys.stderr)
+        return 2
+    except vendor.VendorError as e:
+        print(f"pybmoe patches: error: {e}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

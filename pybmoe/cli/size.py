@@ -1,0 +1,46 @@
+"""``pybmoe size -m MODEL``: recommended cache slots per layer (:mod:`pybmoe.routing.sizing`, where the
+rules live), from a routing trace when one is given."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from ..routing import sizing
+from ..routing import trace as tr
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pybmoe size -m MODEL.gguf [--trace T] [--free-mb N] [--inserts N]``; returns the exit status."""
+    ap = argparse.ArgumentParser(prog="pybmoe size",
+                                 description="Recommend --moe-expert-cache slots per layer for a model: device MiB, "
+                                             "and the expected hit rate from replaying a routing trace with the "
+                                             "engine's policy. The rules are in pybmoe/routing/sizing.py.")
+    ap.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
+    ap.add_argument("--trace", type=Path, default=None, help="routing trace of this model (any pybmoe trace format)")
+    ap.add_argument("--free-mb", type=float, default=None, help="device memory (MiB) the cache may use")
+    ap.add_argument("--inserts", type=int, default=0, help="--moe-expert-cache-inserts to plan for (default 0 = unlimited)")
+    a = ap.parse_args(argv)
+    try:
+        shape = sizing.model_shape(a.model)
+        t = tr.read_trace(a.trace) if a.trace else None
+        rec = sizing.recommend(shape, free_mib=a.free_mb, trace=t, inserts=a.inserts)
+    except (OSError, ValueError) as e:
+        print(f"pybmoe size: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{a.model.name}: {shape.n_layer} MoE layers x {shape.n_expert} experts, top-{shape.top_k}, "
+          f"{shape.expert_bytes / sizing.MIB:.3g} MiB per expert")
+    if len(rec.table):
+        print(rec.table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    hit = f", expected hit rate {100 * rec.hit_rate:.1f}% (decode, from {a.trace.name})" if t is not None else ""
+    print(f"recommended: --moe-expert-cache {rec.slots_per_layer}"
+          + (f" --moe-expert-cache-inserts {a.inserts}" if a.inserts else "")
+          + f"  ({rec.device_mib:.3g} MiB on the device{hit})")
+    for w in rec.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

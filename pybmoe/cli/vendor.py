@@ -1,0 +1,42 @@
+"""``pybmoe vendor``: fetch, verify, unpack and patch the pinned upstream (:mod:`pybmoe.build.vendor`).
+
+CMake's configure step runs it as ``python -m pybmoe.cli vendor`` and reads the patched tree's
+path from the last line of its output.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from ..build import vendor
+from ..build.vendor import VendorError, cache_dir, ensure_tree, load_pin, project_root, tree_dir, verify_sdist
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pybmoe vendor", description=vendor.__doc__.splitlines()[0])
+    ap.add_argument("--force", action="store_true", help="discard uncommitted edits in the vendored tree")
+    ap.add_argument("--sdist", type=Path, help="use this local sdist file instead of downloading "
+                    "(still verified against the pinned sha256)")
+    a = ap.parse_args(argv)
+    try:
+        root = project_root()
+        if a.sdist:
+            pin = load_pin(root)
+            verify_sdist(a.sdist, pin)
+            cache = cache_dir()
+            cache.mkdir(parents=True, exist_ok=True)
+            if a.sdist.resolve() != (cache / pin.filename).resolve():
+                shutil.copyfile(a.sdist, cache / pin.filename)
+            if tree_dir(root, pin).exists() and a.force:
+                shutil.rmtree(tree_dir(root, pin))
+        print(ensure_tree(root, force=a.force))
+    except VendorError as e:
+        print(f"pybmoe vendor: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

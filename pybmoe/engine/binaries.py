@@ -1,0 +1,54 @@
+"""Where the patched llama.cpp binaries are: :data:`BINARIES`, :func:`find_binary`, :class:`EngineError`.
+
+Binaries are looked up, in order, in:
+
+1. ``$PYBMOE_BIN_DIR``;
+2. ``pybmoe/bin/`` of the package this module belongs to (what ``pip install .`` ships);
+3. ``pybmoe/bin/`` in the environment's site-packages (when this module is imported from a
+   source checkout but pybmoe is installed);
+4. ``build/dev/bin/`` of a source checkout (a developer build made with cmake).
+
+Holds no process lifecycle (:mod:`.servers`) and no log parsing (:mod:`.cachelog`).
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+BINARIES = ("llama-server", "llama-cli", "llama-bench", "test-backend-ops", "ggml-rpc-server", "pybmoe-logits",
+            "pybmoe-test-skip")
+
+#: The ``pybmoe`` package folder (``pybmoe/engine/..``).
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+
+
+class EngineError(RuntimeError):
+    """A binary is missing, failed to start, or exited with an error."""
+
+
+def bin_dirs() -> list[Path]:
+    """Where binaries are searched, in order."""
+    dirs = []
+    if os.environ.get("PYBMOE_BIN_DIR"):
+        dirs.append(Path(os.environ["PYBMOE_BIN_DIR"]))
+    dirs.append(PACKAGE_DIR / "bin")
+    site = Path(sysconfig.get_paths()["platlib"]) / "pybmoe" / "bin"
+    if site not in dirs:
+        dirs.append(site)
+    dirs.append(PACKAGE_DIR.parent / "build" / "dev" / "bin")
+    return dirs
+
+
+def find_binary(name: str) -> Path:
+    """Path of the patched binary ``name`` (one of :data:`BINARIES`).
+
+    Raises:
+        EngineError: no such binary in any of :func:`bin_dirs`.
+    """
+    for d in bin_dirs():
+        p = d / name
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+    raise EngineError(f"{name} not found in {', '.join(map(str, bin_dirs()))}; "
+                      "install pybmoe with `pip install .` (or build it with cmake into build/dev)")

@@ -1,0 +1,309 @@
+"""ctypes bindings for pybmoe's C API, and :class:`Llama`, ``llama_cpp.Llama`` with expert placement
+and the expert cache.
+
+The C functions live in the patched ``libllama`` that ``llama_cpp`` loads (declared in
+``ggml-ext/llama-moe-cache.h``, a staging header: the public param structs, and so the
+``llama_cpp`` ABI, are unchanged). ``tests/engine/test_bindings.py`` checks the ctypes layout of
+:class:`MoeCacheStatsC` against the C compiler's ``sizeof``/``offsetof``.
+
+Example (experts in host memory, every layer on a device, 8 cache slots per layer)::
+
+    llm = pybmoe.Llama(model_path="model.gguf", n_gpu_layers=99, cpu_moe=True,
+                       moe_expert_cache=8, rpc_servers="127.0.0.1:50052")
+    llm("Hello", max_tokens=32, temperature=0)
+    llm.moe_cache_stats().hits
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+LLAMA_MOE_CACHE_AUTO = -1
+LLAMA_MOE_CACHE_ERR_NO_ROOM = -3  # llama-moe-cache.h: fixed slots do not fit a device
+EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # upstream's LLM_FFN_EXPS_REGEX (--cpu-moe)
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+
+
+class MoeCacheStatsC(ctypes.Structure):
+    """Mirror of ``struct llama_moe_cache_stats`` (ggml-ext/llama-moe-cache.h)."""
+
+    _fields_ = [
+        ("hits", ctypes.c_uint64),
+        ("misses", ctypes.c_uint64),
+        ("uploads", ctypes.c_uint64),
+        ("upload_bytes", ctypes.c_uint64),
+        ("resident_bytes", ctypes.c_uint64),
+        ("alloc_bytes", ctypes.c_uint64),
+        ("n_steps", ctypes.c_uint64),
+        ("n_layers", ctypes.c_int32),
+        ("n_slots", ctypes.c_int32),
+        ("n_inserts", ctypes.c_int32),
+        ("n_expert", ctypes.c_int32),
+        ("n_expert_used", ctypes.c_int32),
+    ]
+
+
+class _Override(ctypes.Structure):
+    """``struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }``"""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+@dataclass(frozen=True)
+class MoeCacheStats:
+    """The expert cache's counters (cumulative over the model's life).
+
+    hits / misses: expert lookups served by a slot / computed from host memory; uploads: experts
+    copied into slots; upload_mib, resident_mib, allocated_mib: MiB; steps: graphs the cache served;
+    n_slots: slots per layer now (set_moe_cache_slots changes it; allocated_mib stays); n_layers:
+    cached layers.
+    """
+
+    hits: int
+    misses: int
+    uploads: int
+    upload_mib: float
+    resident_mib: float
+    allocated_mib: float
+    steps: int
+    n_layers: int
+    n_slots: int
+    n_inserts: int
+    n_expert: int
+    n_expert_used: int
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / lookups, 0..1 (0 when nothing was looked up)."""
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL] = {}
+
+
+def _llama_lib() -> ctypes.CDLL:
+    from llama_cpp import llama_cpp as lc
+    lib = lc._lib
+    if "llama" not in _libs:
+        lib.llama_model_moe_cache_init.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
+        lib.llama_model_moe_cache_init.restype = ctypes.c_int32
+        lib.llama_model_moe_cache_init_auto.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+        lib.llama_model_moe_cache_init_auto.restype = ctypes.c_int32
+        lib.llama_model_moe_cache_init_budget.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 4
+        lib.llama_model_moe_cache_init_budget.restype = ctypes.c_int32
+        lib.llama_model_moe_cache_set_slots.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.llama_model_moe_cache_set_slots.restype = ctypes.c_int32
+        lib.llama_model_moe_cache_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeCacheStatsC)]
+        lib.llama_model_moe_cache_get_stats.restype = ctypes.c_bool
+        _libs["llama"] = lib
+    return lib
+
+
+def _ggml(name: str) -> ctypes.CDLL:
+    """libggml / libggml-base / libggml-cpu next to the patched libllama (already loaded by it)."""
+    if name not in _libs:
+        from llama_cpp import llama_cpp as lc
+        _libs[name] = ctypes.CDLL(str(Path(lc._lib._name).resolve().parent / f"lib{name}.so"))
+    return _libs[name]
+
+
+def cpu_buffer_type() -> int:
+    """The CPU backend's buffer type (what --cpu-moe places experts in)."""
+    f = _ggml("ggml-cpu").ggml_backend_cpu_buffer_type
+    f.restype = ctypes.c_void_p
+    return f()
+
+
+def buffer_type_by_name(name: str) -> int:
+    """A buffer type by name (``CPU``, ``CUDA0``, ``RPC0[host:port]``, ...).
+
+    Raises:
+        ValueError: no device has a buffer type of that name.
+    """
+    base, reg = _ggml("ggml-base"), _ggml("ggml")
+    reg.ggml_backend_dev_count.restype = ctypes.c_size_t
+    reg.ggml_backend_dev_get.restype = ctypes.c_void_p
+    reg.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    base.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    base.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_buft_name.restype = ctypes.c_char_p
+    base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    names = []
+    for i in range(reg.ggml_backend_dev_count()):
+        buft = base.ggml_backend_dev_buffer_type(reg.ggml_backend_dev_get(i))
+        n = base.ggml_backend_buft_name(buft).decode()
+        if n == name:
+            return buft
+        names.append(n)
+    raise ValueError(f"no buffer type named {name!r}; accepted: {', '.join(names)}")
+
+
+_rpc_added: set[str] = set()
+
+
+def add_rpc_server(endpoint: str) -> None:
+    """Registers a ``ggml-rpc-server`` at ``host:port`` as a device (as ``--rpc`` does), once.
+
+    Raises:
+        ValueError: a malformed endpoint, or the server cannot be reached.
+    """
+    if endpoint in _rpc_added:
+        return
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"rpc server {endpoint!r} must be host:port")
+    lib = _ggml("ggml")
+    lib.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+    rpc = lib.ggml_backend_reg_by_name(b"RPC")
+    if not rpc:
+        raise ValueError("this build has no RPC backend")
+    base = _ggml("ggml-base")
+    base.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    base.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    add = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(
+        base.ggml_backend_reg_get_proc_address(rpc, b"ggml_backend_rpc_add_server"))
+    reg = add(endpoint.encode())
+    if not reg:
+        raise ValueError(f"cannot reach the rpc server at {endpoint}")
+    lib.ggml_backend_register.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_register(reg)
+    _rpc_added.add(endpoint)
+
+
+def _check_count(name: str, v, allow_auto: bool = False) -> int:
+    if allow_auto and v == "auto":
+        return LLAMA_MOE_CACHE_AUTO
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        accepted = "a non-negative integer" + (" or 'auto'" if allow_auto else "")
+        raise ValueError(f"{name}={v!r} is invalid; accepted: {accepted}")
+    return v
+
+
+def _import_llama_cpp():
+    import llama_cpp
+    import llama_cpp._internals as internals
+    return llama_cpp, internals
+
+
+llama_cpp, _internals = _import_llama_cpp()
+
+
+class Llama(llama_cpp.Llama):
+    """``llama_cpp.Llama`` that can place experts in host memory and cache them on the device.
+
+    Args (besides every ``llama_cpp.Llama`` keyword, which passes through):
+        model_path: the GGUF file, a ``str`` or a path-like (``models.default_model_path()``).
+        moe_expert_cache: slots per host-resident MoE layer (int >= 0), or ``"auto"`` (size each
+            device from its free memory minus ``moe_expert_cache_floor_mb``, capped by
+            ``moe_expert_cache_ceil_mb``). 0 = off. Fixed slots must fit each device's free
+            memory minus the floor (MiB), else ValueError. Unlike ``llama-server``, ``auto`` here
+            does not measure the context's KV and compute memory first: keep the floor above it.
+        moe_expert_cache_inserts: uploads per layer per decode step (0 = unlimited).
+        cpu_moe: keep every MoE expert tensor in host memory (``--cpu-moe``).
+        n_cpu_moe: keep the experts of the first N layers in host memory (``--n-cpu-moe``).
+        override_tensor: ``"pattern=BUFT,..."`` or a list of ``(pattern, buft name)`` (``-ot``).
+        rpc_servers: ``"host:port,..."``: ggml-rpc-server devices to offload to (``--rpc``).
+        repack: let host weights use repacked layouts (``--no-repack`` is ``repack=False``).
+
+    Raises:
+        ValueError: a bad cache value or override, an unreachable RPC server, or a model that
+            does not load (as ``llama_cpp.Llama``). A cache that was asked for but cannot engage
+            raises too (the engine logs why).
+    """
+
+    def __init__(self, model_path: str | os.PathLike, *, moe_expert_cache: int | str = 0,
+                 moe_expert_cache_inserts: int = 0,
+                 moe_expert_cache_floor_mb: int = 1024, moe_expert_cache_ceil_mb: int = 0,
+                 cpu_moe: bool = False, n_cpu_moe: int = 0,
+                 override_tensor: str | Sequence[tuple[str, str]] | None = None,
+                 rpc_servers: str | None = None, repack: bool = True, **kwargs):
+        self._stack = contextlib.ExitStack()  # llama_cpp's __del__ needs it even when we raise first
+        slots = _check_count("moe_expert_cache", moe_expert_cache, allow_auto=True)
+        inserts = _check_count("moe_expert_cache_inserts", moe_expert_cache_inserts)
+        floor_mb = _check_count("moe_expert_cache_floor_mb", moe_expert_cache_floor_mb)
+        ceil_mb = _check_count("moe_expert_cache_ceil_mb", moe_expert_cache_ceil_mb)
+        n_cpu_moe = _check_count("n_cpu_moe", n_cpu_moe)
+        for ep in (rpc_servers.split(",") if rpc_servers else []):
+            add_rpc_server(ep.strip())
+
+        pairs: list[tuple[str, int]] = []
+        if isinstance(override_tensor, str):
+            for item in filter(None, (s.strip() for s in override_tensor.split(","))):
+                pattern, sep, name = item.partition("=")
+                if not sep or not pattern or not name:
+                    raise ValueError(f"override_tensor item {item!r} must be pattern=BUFFER_TYPE")
+                pairs.append((pattern, buffer_type_by_name(name)))
+        elif override_tensor:
+            pairs += [(p, buffer_type_by_name(n)) for p, n in override_tensor]
+        if cpu_moe:
+            pairs.append((EXPS_REGEX, cpu_buffer_type()))
+        pairs += [(rf"blk\.{i}{EXPS_REGEX}", cpu_buffer_type()) for i in range(n_cpu_moe)]
+        self._moe_patterns = [p.encode() for p, _ in pairs]  # kept alive with the model
+        self._moe_overrides = (_Override * (len(pairs) + 1))(
+            *[_Override(pat, buft) for pat, (_, buft) in zip(self._moe_patterns, pairs)], _Override(None, None))
+
+        wrapper = self
+        base = _internals.LlamaModel
+
+        class _Model(base):
+            def __init__(self, *, path_model, params, verbose=True):
+                if pairs:
+                    params.tensor_buft_overrides = ctypes.addressof(wrapper._moe_overrides)
+                if not repack:
+                    params.use_extra_bufts = False
+                super().__init__(path_model=path_model, params=params, verbose=verbose)
+                # the cache belongs to the model: enable it before the context reserves its graphs
+                if slots != 0:
+                    lib = _llama_lib()
+                    rc = lib.llama_model_moe_cache_init_budget(self.model, slots, inserts, floor_mb, ceil_mb)
+                    if rc == LLAMA_MOE_CACHE_ERR_NO_ROOM:
+                        self.close()
+                        raise ValueError(f"moe_expert_cache={moe_expert_cache!r} does not fit the device's free memory "
+                                         f"minus moe_expert_cache_floor_mb={floor_mb} MiB (the engine's log gives the "
+                                         "MiB and the most slots that fit)")
+                    if rc <= 0:
+                        self.close()
+                        raise ValueError(f"moe_expert_cache={moe_expert_cache!r} was requested but the expert cache "
+                                         "did not engage (no host-resident MoE layer with a device router, or no room; "
+                                         "the engine's log says which)")
+
+        with _lock:
+            _internals.LlamaModel = _Model
+            try:
+                super().__init__(os.fspath(model_path), **kwargs)  # llama_cpp takes a str only
+            finally:
+                _internals.LlamaModel = base
+
+    def moe_cache_stats(self) -> MoeCacheStats:
+        """The expert cache's counters. Raises ValueError when the cache is off."""
+        st = MoeCacheStatsC()
+        if not _llama_lib().llama_model_moe_cache_get_stats(self._model.model, ctypes.byref(st)):
+            raise ValueError("the expert cache is off for this model")
+        mib = 1024.0 * 1024.0
+        return MoeCacheStats(st.hits, st.misses, st.uploads, st.upload_bytes / mib, st.resident_bytes / mib,
+                             st.alloc_bytes / mib, st.n_steps, st.n_layers, st.n_slots, st.n_inserts, st.n_expert,
+                             st.n_expert_used)
+
+    def set_moe_cache_slots(self, n_slots: int) -> int:
+        """Sets the slots per layer between generations (0 .. the slots allocated at load); shrinking
+        evicts at once. Returns the new count.
+
+        Raises:
+            ValueError: a bad value, or the cache is off.
+            RuntimeError: called while a graph is being computed (during a generation).
+        """
+        n = _check_count("n_slots", n_slots)
+        rc = _llama_lib().llama_model_moe_cache_set_slots(self._model.model, n)
+        if rc == -2:
+            raise RuntimeError("set_moe_cache_slots was called during a generation; call it between generations")
+        if rc < 0:
+            raise ValueError(f"n_slots={n_slots} was refused (out of range, or the cache is off; see the log)")
+        return rc

@@ -1,0 +1,111 @@
+"""The expert cache's own lines, parsed: the ``moe-cache-preamble:`` line at load, the
+``moe-cache:`` summary when a context is freed, the cliff warning, and the ``moe_cache_*`` series
+of a ``llama-server --metrics`` page; :func:`cache_record` joins them into one tidy record.
+
+Pure text parsing: no processes, no files.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SUMMARY = re.compile(r"moe-cache: ([0-9.]+)% hit, resident ([0-9.]+) MiB, uploads (\d+) \(([0-9.]+) MiB\)"
+                      r"(?:, layer_demand ([0-9.]+) MiB, token_demand ([0-9.]+) MiB, steps (\d+))?")
+_PREAMBLE = re.compile(r"moe-cache-preamble: (.*)$", re.M)
+_CLIFF = re.compile(r"moe-cache: WARNING (\d+) slots/layer is below the per-layer token cycle")
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """The ``moe-cache:`` line printed when a context is freed."""
+
+    hit_pct: float        # hits / lookups, percent
+    resident_mib: float   # MiB of experts resident in slots
+    uploads: int          # experts uploaded
+    upload_mib: float     # MiB uploaded
+    layer_demand_mib: float | None = None  # expert MiB one served step asks of the widest layer
+    token_demand_mib: float | None = None  # expert MiB one served step asks of all cached layers
+    steps: int | None = None               # graphs the cache served
+
+
+def parse_cache_summaries(log: str) -> list[CacheSummary]:
+    """Every summary line in a log, in order (one per freed context)."""
+    out = []
+    for m in _SUMMARY.finditer(log):
+        a, b, c, d, e, f, g = m.groups()
+        out.append(CacheSummary(float(a), float(b), int(c), float(d), float(e) if e else None,
+                                float(f) if f else None, int(g) if g else None))
+    return out
+
+
+def parse_cache_preamble(log: str) -> dict | None:
+    """The ``moe-cache-preamble:`` line printed at load, as a dict (None when absent).
+
+    Keys: layers, n_expert, top_k, slots, staging, inserts (counts), max_batch (tokens: the largest
+    ubatch the cache serves), slot_mib (MiB per expert),
+    budget_mib ({buffer type: MiB}), cache_cycle_mb (MiB one token needs in the worst case),
+    layer_cycle_slots (slots one layer needs to keep one token's experts).
+    """
+    m = _PREAMBLE.search(log)
+    if not m:
+        return None
+    rec: dict = {}
+    for kv in m.group(1).split():
+        k, _, v = kv.partition("=")
+        if k == "budget_mib":
+            rec[k] = {b.rpartition(":")[0]: float(b.rpartition(":")[2]) for b in v.split(",") if b}
+        else:
+            rec[k] = float(v) if "." in v else int(v)
+    return rec
+
+
+_METRIC = re.compile(r'^llamacpp:moe_cache_(\w+?)(?:\{device="([^"]*)"\})?\s+(\S+)$', re.M)
+
+
+def parse_cache_metrics(text: str) -> dict | None:
+    """The expert cache's series of a ``llama-server --metrics`` page (``/metrics``, Prometheus
+    text) as a dict, or None when it has none (cache off, or another server).
+
+    Keys: ``hits``, ``misses``, ``uploads`` (counts), ``upload_bytes``, ``resident_bytes`` (bytes),
+    ``slots`` and ``allocated_bytes`` (``{device: value}``, slots summed over the device's layers).
+    """
+    out: dict = {}
+    for name, dev, value in _METRIC.findall(text):
+        name = name.removesuffix("_total")
+        v = float(value)
+        v = int(v) if v.is_integer() else v
+        if dev:
+            out.setdefault(name, {})[dev] = v
+        else:
+            out[name] = v
+    return out or None
+
+
+def cache_record(log: str, metrics: str | None = None) -> dict:
+    """One tidy record of a run's cache lines (preamble, last summary, cliff warning), usable as a
+    pandas row: ``pd.DataFrame([cache_record(log)])``. Budgets are summed over devices into
+    ``budget_mib``; absent values are None.
+
+    ``metrics``: a ``/metrics`` page of the same server (:func:`parse_cache_metrics`); its counters
+    are added as ``metrics_hits``, ``metrics_misses``, ``metrics_uploads``,
+    ``metrics_upload_mib``, ``metrics_resident_mib`` (MiB) and ``metrics_slots`` (summed over
+    devices): the live values at the time of the scrape, where the summary is the value when the
+    context was freed."""
+    pre = parse_cache_preamble(log) or {}
+    sums = parse_cache_summaries(log)
+    last = sums[-1] if sums else None
+    rec = {k: pre.get(k) for k in ("layers", "n_expert", "top_k", "slots", "staging", "inserts", "max_batch",
+                                    "slot_mib", "cache_cycle_mb", "layer_cycle_slots")}
+    rec["budget_mib"] = sum(pre["budget_mib"].values()) if pre.get("budget_mib") else None
+    for f in ("hit_pct", "resident_mib", "uploads", "upload_mib", "layer_demand_mib", "token_demand_mib", "steps"):
+        rec[f] = getattr(last, f) if last else None
+    rec["below_cycle"] = bool(_CLIFF.search(log))
+    if metrics is not None:
+        m = parse_cache_metrics(metrics) or {}
+        for k in ("hits", "misses", "uploads"):
+            rec[f"metrics_{k}"] = m.get(k)
+        for k in ("upload", "resident"):
+            b = m.get(f"{k}_bytes")
+            rec[f"metrics_{k}_mib"] = b / 2**20 if b is not None else None
+        rec["metrics_slots"] = sum(m["slots"].values()) if m.get("slots") else None
+    return rec

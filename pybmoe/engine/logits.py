@@ -1,0 +1,45 @@
+"""``pybmoe-logits``, the engine's test driver: greedy tokens, raw logits and the cache's per-layer
+hits and misses of one run (:func:`run_logits`)."""
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .binaries import EngineError, find_binary
+
+
+@dataclass
+class LogitsRun:
+    """One ``pybmoe-logits`` run: greedy ``tokens``, the raw ``logits`` (n_vocab float32 per decode
+    step, native byte order), the cache's per-layer ``layers`` (il -> (hits, misses)) and the
+    ``log`` (stdout + stderr)."""
+
+    tokens: list[int]
+    logits: bytes
+    layers: dict[int, tuple[int, int]]
+    log: str
+
+
+def run_logits(model: str | os.PathLike, out: str | os.PathLike, args: list[str], *, prompt: str = "Hello there",
+               n_predict: int = 8, ctx: int = 256, timeout: float = 300, bin_dir: str | os.PathLike | None = None,
+               env: dict[str, str] | None = None) -> LogitsRun:
+    """Run ``pybmoe-logits`` on ``model`` (2 threads, ``--fit off``) with the extra llama.cpp ``args``
+    (layout, cache flags, ``-ub`` ...), writing the logits to ``out``; ``bin_dir`` picks another build
+    (e.g. a Vulkan one). Raises :class:`EngineError` (with the command and the log's tail) on a
+    non-zero exit."""
+    exe = Path(bin_dir) / "pybmoe-logits" if bin_dir is not None else find_binary("pybmoe-logits")
+    cmd = [str(exe), "--logits-out", str(out), "-m", str(model), "-p", prompt, "-n", str(n_predict),
+           "-c", str(ctx), "-t", "2", "--fit", "off", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        raise EngineError(f"{' '.join(cmd)} exited with {r.returncode}:\n{r.stderr[-3000:]}")
+    tokens, layers = [], {}
+    for line in r.stdout.splitlines():
+        if line.startswith("token "):
+            tokens.append(int(line.split()[1]))
+        elif line.startswith("moe-cache-layer "):
+            _, il, h, m = line.split()
+            layers[int(il)] = (int(h), int(m))
+    return LogitsRun(tokens, Path(out).read_bytes(), layers, r.stdout + r.stderr)

@@ -1,0 +1,837 @@
+"""Replay of expert-cache policies over a routing trace (:mod:`pybmoe.routing.trace`).
+
+Policies (:data:`POLICIES`; the rules are spelled out in ``docs/traces.md``):
+
+``layer-lru``
+    The engine's own policy, exactly (``docs/expert-cache.md``, "The policy, exactly"): per
+    layer, ``slots`` residents, misses uploaded into staging slots and resident two steps later,
+    admission evicting argmin ``(used, expert id)`` among residents not used at the last step,
+    the insert cap. A step is a ubatch the engine's cache serves: one of at most ``max_batch``
+    tokens (1 today), whatever its phase label. Other ubatches (prefill) are not served: their
+    lookups are ``-1`` per lookup, count as misses when their phase is counted, and leave the
+    cache as it is, except that pending uploads become resident after them as after any ubatch,
+    as in the engine. :func:`engine_replay` and :func:`compare_with_engine` check a captured
+    trace event for event against the engine's ``hit`` column.
+``global-lru``, ``fifo``, ``lfu``, ``belady``
+    One cache of ``budget_entries`` (layer, expert) entries shared by all layers. The admission
+    unit is a layer step (one layer's lookups in one ubatch): its lookups see the cache as it was
+    before the step, then its missed entries are admitted at once (no upload lag) in order of
+    first appearance, evicting the policy's victim among the entries the step does not need. With
+    no such entry the miss is not admitted. Victims: least recently needed / first admitted /
+    fewest steps needed since admission / needed furthest in the future (the incoming entry is
+    itself a candidate: it is bypassed when it is needed no sooner than every victim). Ties go to
+    the lowest (layer, expert).
+``static``
+    The ``budget_entries`` most looked-up entries of each workload (in the replayed phase,
+    learned in sample: an upper bound for static pinning) are pinned from the start; nothing else
+    is ever resident.
+
+Each workload replays from a cold cache. ``phase`` selects which lookups are counted (and, for
+the global and static policies, which lookups are replayed at all).
+
+Budgets (exactly one): ``slots_per_layer`` N, ``budget_entries`` N, ``fraction`` F of all
+(layer, expert) entries, or ``mib`` M with the bytes of one expert (``expert_bytes``, or read
+from a GGUF ``model``). ``layer-lru`` gets ``budget_entries // n_layer`` slots per layer;
+results report the effective budget.
+
+Speed: a compiled core (``_simcore.c``, loaded with ctypes from ``_simcore.so`` next to this
+module) replays tens of millions of lookups per second; without it a pure-Python twin gives
+identical results, slowly. ``backend="c"`` / ``"python"`` force one.
+
+Errors: :class:`PolicyError`, :class:`BudgetError` (both :class:`ValueError`) name the bad value
+and the accepted range.
+"""
+from __future__ import annotations
+
+import ctypes
+import heapq
+import math
+import os
+import sysconfig
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from . import trace as tr
+
+POLICIES = ("layer-lru", "global-lru", "fifo", "lfu", "belady", "static")
+BUDGET_KINDS = ("slots_per_layer", "budget_entries", "fraction", "mib")
+BACKENDS = ("auto", "c", "python")
+_GLOBAL_CODE = {"global-lru": 0, "fifo": 1, "lfu": 2, "belady": 3}
+_SERVED, _RESET = 1, 2
+_NEVER = 1 << 62
+#: Columns of the per-workload summary (and of ``--csv``), in order.
+SUMMARY_COLUMNS = ("workload", "policy", "phase", "budget_entries", "slots_per_layer", "inserts", "accesses",
+                   "hits", "misses", "hit_rate", "tokens", "uploads", "overlap", "reach_tokens")
+
+
+class PolicyError(ValueError):
+    """An unknown policy or backend name."""
+
+
+class BudgetError(ValueError):
+    """A budget that is missing, given twice, negative or out of range."""
+
+
+# --------------------------------------------------------------------------- the compiled core
+
+_core: ctypes.CDLL | None | bool = None
+
+
+def core_path() -> Path | None:
+    """Where the compiled core is: ``$PYBMOE_SIMCORE`` if set, else ``_simcore.so`` (or the
+    platform's name) next to this module, else in the installed pybmoe (when this module is
+    imported from a source checkout); None when there is none."""
+    env = os.environ.get("PYBMOE_SIMCORE")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    here = Path(__file__).resolve().parent
+    installed = Path(sysconfig.get_paths()["platlib"]) / "pybmoe" / "routing"
+    for d in (here, installed):
+        for name in ("_simcore.so", "lib_simcore.so", "_simcore.dylib", "_simcore.dll"):
+            if (d / name).is_file():
+                return d / name
+    return None
+
+
+def load_core(path: str | os.PathLike | None = None) -> bool:
+    """(Re)load the compiled core from ``path`` (default :func:`core_path`); True when it loaded.
+
+    A library that does not load, or is of another version, leaves the pure-Python replay in use.
+    """
+    global _core
+    _core = False
+    p = Path(path) if path is not None else core_path()
+    if p is None or not p.is_file():
+        return False
+    try:
+        lib = ctypes.CDLL(str(p))
+        lib.pybmoe_simcore_version.restype = ctypes.c_int32
+        if lib.pybmoe_simcore_version() != 1:
+            return False
+    except (OSError, AttributeError):
+        return False
+    i64p = np.ctypeslib.ndpointer(np.int64, flags="C")
+    u8p = np.ctypeslib.ndpointer(np.uint8, flags="C")
+    i32p = np.ctypeslib.ndpointer(np.int32, flags="C")
+    i8p = np.ctypeslib.ndpointer(np.int8, flags="C")
+    lib.pybmoe_sim_layer_lru.argtypes = [ctypes.c_int64, i64p, u8p, i32p, ctypes.c_int32, ctypes.c_int32,
+                                         ctypes.c_int32, ctypes.c_int32, i8p, i64p]
+    lib.pybmoe_sim_layer_lru.restype = ctypes.c_int32
+    lib.pybmoe_sim_global.argtypes = [ctypes.c_int32, ctypes.c_int64, i64p, u8p, i32p, ctypes.c_int32,
+                                      ctypes.c_int64, i8p, i64p]
+    lib.pybmoe_sim_global.restype = ctypes.c_int32
+    _core = lib
+    return True
+
+
+def _load_core() -> ctypes.CDLL | None:
+    if _core is None:
+        load_core()
+    return _core or None
+
+
+def have_core() -> bool:
+    """Whether the compiled replay core was found and loads."""
+    return _load_core() is not None
+
+
+def _use_c(backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise PolicyError(f"backend {backend!r}; accepted: {', '.join(BACKENDS)}")
+    if backend == "python":
+        return False
+    if backend == "c" and not have_core():
+        raise PolicyError(f"backend 'c' asked for but no compiled core next to {Path(__file__).parent} "
+                          "(build it: gcc -O2 -shared -fPIC -o pybmoe/routing/_simcore.so pybmoe/routing/_simcore.c); accepted: auto, python")
+    return have_core()
+
+
+# --------------------------------------------------------------------------- pure-Python twins of the core
+
+def _layer_lru_py(start: np.ndarray, flags: np.ndarray, expert: np.ndarray, n_expert: int, slots: int,
+                  cap: int, staging: int, out: np.ndarray, counters: np.ndarray) -> None:
+    """The engine's policy, written as docs/expert-cache.md states it (see pybmoe_sim_layer_lru)."""
+    ids = expert.tolist()
+    st = start.tolist()
+    res = np.empty(len(ids), dtype=np.int8)
+    R: set[int] = set()
+    used = [0] * n_expert
+    F: list[int] = []
+    misses: list[int] = []
+    step = last_step = 0
+    uploads = dropped = 0
+    for u, fl in enumerate(flags.tolist()):
+        if fl & _RESET:
+            R, used, F, misses, step, last_step = set(), [0] * n_expert, [], [], 0, 0
+        b, end = st[u], st[u + 1]
+        if fl & _SERVED:                             # a step: lookups against R
+            step += 1
+            last_step = step
+            for i in range(b, end):
+                e = ids[i]
+                used[e] = step
+                if e in R:
+                    res[i] = 1
+                else:
+                    res[i] = 0
+                    if e not in misses:
+                        misses.append(e)
+        else:
+            res[b:end] = -1
+        for e in F:                                  # after the ubatch: uploads scheduled after the previous one
+            uploads += 1
+            if len(R) == slots:
+                cands = [x for x in R if used[x] < last_step]
+                if not cands:
+                    dropped += 1
+                    continue
+                R.remove(min(cands, key=lambda x: (used[x], x)))
+            R.add(e)
+        F = []
+        for e in misses:                             # then this one's misses are scheduled
+            if e in R:
+                continue
+            if cap > 0 and len(F) == cap:
+                break
+            if len(F) == staging + (slots - len(R)):
+                break
+            F.append(e)
+        misses = []
+    out[:] = res
+    counters[0] += uploads
+    counters[1] += dropped
+
+
+def _next_use(start: list[int], flags: list[int], ids: list[int]) -> list[int]:
+    """Per event: the next unit of the same stream that needs the same entry (``_NEVER`` if none)."""
+    nxt = [_NEVER] * len(ids)
+    seen: dict[int, int] = {}
+    for u in range(len(flags) - 1, -1, -1):
+        for i in range(start[u], start[u + 1]):
+            nxt[i] = seen.get(ids[i], _NEVER)
+        for i in range(start[u], start[u + 1]):
+            seen[ids[i]] = u
+        if flags[u] & _RESET:
+            seen = {}
+    return nxt
+
+
+def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndarray, n_entries: int,
+               capacity: int, out: np.ndarray, counters: np.ndarray) -> None:
+    """global-lru / fifo / lfu / belady with a lazy heap (see pybmoe_sim_global for the rules)."""
+    ids = entry.tolist()
+    st = start.tolist()
+    fls = flags.tolist()
+    capacity = min(capacity, n_entries)
+    nxt = _next_use(st, fls, ids) if policy == "belady" else None
+    res = [0] * len(ids)
+    key: dict[int, tuple[int, int]] = {}         # resident entry -> its current key
+    heap: list[tuple[int, int, int]] = []
+    freq: dict[int, int] = {}
+    admitted = 0
+
+    def new_key(e: int, u: int, i: int) -> tuple[int, int]:
+        if policy == "global-lru" or policy == "fifo":
+            return (u, e)
+        if policy == "lfu":
+            return (freq[e], u * n_entries + e)
+        return (-nxt[i], e)
+
+    for u in range(len(fls)):
+        if fls[u] & _RESET:
+            key, heap, freq = {}, [], {}
+        b, end = st[u], st[u + 1]
+        need: dict[int, int] = {}                    # entry -> its first event in the unit
+        for i in range(b, end):
+            e = ids[i]
+            first = e not in need
+            if first:
+                need[e] = i
+            if e not in key:
+                res[i] = 0
+                continue
+            res[i] = 1
+            if first and policy != "fifo":
+                if policy == "lfu":
+                    freq[e] += 1
+                key[e] = new_key(e, u, i)
+                heapq.heappush(heap, (*key[e], e))
+        for e, i in need.items():
+            if e in key or capacity == 0:
+                continue
+            if len(key) == capacity:
+                stash, victim = [], None
+                while heap:
+                    a, bb, x = heapq.heappop(heap)
+                    if key.get(x) != (a, bb):
+                        continue                     # stale
+                    if x in need:
+                        stash.append((a, bb, x))     # needed by this unit: never evicted
+                        continue
+                    victim = (a, bb, x)
+                    break
+                if victim is not None and policy == "belady" and nxt[i] >= -victim[0]:
+                    stash.append(victim)             # the incoming entry is needed furthest away
+                    victim = None
+                for s in stash:
+                    heapq.heappush(heap, s)
+                if victim is None:
+                    continue
+                del key[victim[2]]
+            if policy == "lfu":
+                freq[e] = 1
+            key[e] = new_key(e, u, i)
+            heapq.heappush(heap, (*key[e], e))
+            admitted += 1
+        if len(need) < end - b:                      # a repeated lookup of an entry admitted here hits
+            for i in range(b, end):
+                if res[i] == 0 and need[ids[i]] != i and ids[i] in key:
+                    res[i] = 1
+        if len(heap) > 4 * len(key) + 64:
+            heap = [(*k, e) for e, k in key.items()]
+            heapq.heapify(heap)
+    out[:] = np.asarray(res, dtype=np.int8)
+    counters[0] += admitted
+
+
+# --------------------------------------------------------------------------- prepared streams
+
+@dataclass(frozen=True)
+class _Units:
+    """Events in replay order, cut into units (one layer's lookups in one ubatch)."""
+
+    rows: np.ndarray     # int64 [events] frame row of each event
+    ids: np.ndarray      # int32 [events] expert (layer-lru) or (layer, expert) entry (global)
+    start: np.ndarray    # int64 [units + 1]
+    flags: np.ndarray    # uint8 [units] _SERVED | _RESET
+    wl_units: np.ndarray  # int64 [workloads + 1] first unit of each workload
+
+
+def _argsort_keys(keys: tuple[np.ndarray, ...]) -> np.ndarray:
+    """``np.lexsort(keys)`` (last key most significant), through one int64 composite key when it fits."""
+    if not len(keys[0]):
+        return np.zeros(0, dtype=np.int64)
+    span = [int(k.max()) + 1 for k in keys]
+    if all(int(k.min()) >= 0 for k in keys) and math.prod(span) < 2**62:
+        comp = np.zeros(len(keys[0]), dtype=np.int64)
+        for k, n in zip(reversed(keys), reversed(span)):
+            comp *= n
+            comp += k
+        return np.argsort(comp, kind="stable")
+    return np.lexsort(keys)
+
+
+class Replay:
+    """A trace prepared for replay: codes, sort orders and unit boundaries, computed once.
+
+    ``n_layer`` is the number of distinct layers in the trace (the cached layers), ``n_expert``
+    and ``top_k`` come from the trace meta.
+    """
+
+    def __init__(self, trace: tr.Trace):
+        self.trace = trace
+        f = trace.frame
+        self.n_rows = len(f)
+        wl = f["workload"]
+        if not isinstance(wl.dtype, pd.CategoricalDtype):
+            wl = pd.Series(tr._categorical(wl))
+        cats = wl.cat.remove_unused_categories()
+        self.wl = np.asarray(cats.cat.codes, dtype=np.int64)
+        self.workloads = [str(c) for c in cats.cat.categories]
+        layers = f["layer"].to_numpy()
+        present = np.zeros(int(layers.max()) + 1 if len(layers) else 1, dtype=bool)
+        present[layers] = True
+        self.layer_ids = np.flatnonzero(present)
+        lut = np.cumsum(present) - 1
+        self.lay = lut[layers].astype(np.int64)
+        self.n_layer = len(self.layer_ids)
+        self.n_expert = trace.meta.n_expert
+        self.top_k = trace.meta.n_expert_used
+        self.expert = f["expert"].to_numpy().astype(np.int64)
+        self.ubatch = f["ubatch"].to_numpy().astype(np.int64)
+        self.token = f["token"].to_numpy().astype(np.int64)
+        self.rank = f["rank"].to_numpy().astype(np.int64)
+        ph = f["phase"]
+        if isinstance(ph.dtype, pd.CategoricalDtype) and list(ph.cat.categories) == list(tr.PHASES):
+            self.phase_code = np.asarray(ph.cat.codes, dtype=np.int8)
+        else:
+            self.phase_code = np.select([ph.to_numpy() == p for p in tr.PHASES], [0, 1], -1).astype(np.int8)
+        self._cache: dict = {}
+
+    @property
+    def n_entries(self) -> int:
+        """(layer, expert) entries of the trace: ``n_layer * n_expert``."""
+        return self.n_layer * self.n_expert
+
+    def mask(self, phase: str) -> np.ndarray:
+        """Rows counted for ``phase`` (bool ``[rows]``)."""
+        if phase not in tr.PHASE_CHOICES:
+            raise PolicyError(f"phase {phase!r}; accepted: {', '.join(tr.PHASE_CHOICES)}")
+        key = ("mask", phase)
+        if key not in self._cache:
+            self._cache[key] = (np.ones(self.n_rows, dtype=bool) if phase == "all"
+                                else self.phase_code == tr.PHASES.index(phase))
+        return self._cache[key]
+
+    def ubatches(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The (workload, ubatch) pairs: ``(workload [U], index per row [rows], tokens [U])``,
+        sorted by workload then ubatch; ``tokens`` counts the distinct tokens of each."""
+        if "ub" not in self._cache:
+            UB = int(self.ubatch.max()) + 1
+            T = int(self.token.max()) + 1
+            ub_key = self.wl * UB + self.ubatch
+            keys, idx = np.unique(ub_key, return_inverse=True)
+            pairs = np.unique(ub_key * T + self.token)                 # distinct (ubatch, token)
+            tokens = np.bincount(np.searchsorted(keys, pairs // T), minlength=len(keys))
+            self._cache["ub"] = (keys // UB, idx.astype(np.int64), tokens)
+        return self._cache["ub"]
+
+    def tokens(self, phase: str) -> np.ndarray:
+        """Per workload: the distinct tokens with lookups in ``phase`` (int64 ``[workloads]``)."""
+        key = ("tokens", phase)
+        if key not in self._cache:
+            m = self.mask(phase)
+            T = int(self.token.max()) + 1
+            uniq = np.unique(self.wl[m] * T + self.token[m])
+            self._cache[key] = np.bincount(uniq // T, minlength=len(self.workloads))
+        return self._cache[key]
+
+    def _units(self, rows: np.ndarray, order_keys: tuple, unit_keys: tuple, stream_keys: tuple,
+               ids: np.ndarray) -> _Units:
+        order = rows[_argsort_keys(tuple(k[rows] for k in order_keys))]
+        n = len(order)
+        if n == 0:
+            return _Units(order, ids[order].astype(np.int32), np.zeros(1, np.int64), np.zeros(0, np.uint8),
+                          np.zeros(len(self.workloads) + 1, np.int64))
+
+        def changed(keys: tuple) -> np.ndarray:
+            ch = np.zeros(n, dtype=bool)
+            ch[0] = True
+            for k in keys:
+                v = k[order]
+                ch[1:] |= v[1:] != v[:-1]
+            return ch
+
+        unit_first = np.flatnonzero(changed(unit_keys))
+        stream_new = changed(stream_keys)[unit_first]
+        flags = np.where(stream_new, _RESET | _SERVED, _SERVED).astype(np.uint8)
+        start = np.append(unit_first, n).astype(np.int64)
+        wl_of_unit = self.wl[order[unit_first]]
+        wl_units = np.searchsorted(wl_of_unit, np.arange(len(self.workloads) + 1), side="left").astype(np.int64)
+        return _Units(order, np.ascontiguousarray(ids[order], dtype=np.int32), start, flags, wl_units)
+
+    def layer_units(self, max_batch: int) -> _Units:
+        """All rows in (workload, layer, ubatch, token, rank) order, with a unit for every layer
+        and every ubatch of its workload (empty where the layer has no rows: the engine's
+        per-ubatch bookkeeping still runs). A unit is served when it has lookups and its ubatch
+        has at most ``max_batch`` tokens."""
+        key = ("layer", max_batch)
+        if key not in self._cache:
+            ub_wl, ub_idx, ub_tokens = self.ubatches()
+            W, L = len(self.workloads), self.n_layer
+            n_ub = np.bincount(ub_wl, minlength=W)                     # ubatches per workload
+            first_ub = np.concatenate([[0], np.cumsum(n_ub)])
+            base = np.concatenate([[0], np.cumsum(n_ub * L)])          # first unit of each workload
+            j = ub_idx - first_ub[self.wl]                              # ubatch position in its workload
+            unit = base[self.wl] + self.lay * n_ub[self.wl] + j
+            n_units = int(base[-1])
+            order = _argsort_keys((self.rank, self.token, unit))
+            counts = np.bincount(unit, minlength=n_units)
+            start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            u_wl = np.repeat(np.arange(W), n_ub * L)
+            within = np.arange(n_units) - base[u_wl]
+            u_j = within % n_ub[u_wl]
+            flags = np.where(u_j == 0, _RESET, 0).astype(np.uint8)
+            served = (counts > 0) & (ub_tokens[first_ub[u_wl] + u_j] <= max_batch)
+            flags |= np.where(served, _SERVED, 0).astype(np.uint8)
+            self._cache[key] = _Units(order.astype(np.int64), np.ascontiguousarray(self.expert[order], dtype=np.int32),
+                                      start, flags, base.astype(np.int64))
+        return self._cache[key]
+
+    def global_units(self, phase: str) -> _Units:
+        """The rows of ``phase`` in (workload, ubatch, layer, token, rank) order, with entry ids."""
+        key = ("global", phase)
+        if key not in self._cache:
+            rows = np.flatnonzero(self.mask(phase)).astype(np.int64)
+            entry = self.lay * self.n_expert + self.expert
+            self._cache[key] = self._units(rows, (self.rank, self.token, self.lay, self.ubatch, self.wl),
+                                           (self.wl, self.ubatch, self.lay), (self.wl,),
+                                           entry)
+        return self._cache[key]
+
+    def overlap(self) -> dict[str, float]:
+        """Per workload: mean consecutive-token overlap of the decode rows (all rows if none)."""
+        if "overlap" not in self._cache:
+            m = self.mask("decode")
+            if not m.any():
+                m = self.mask("all")
+            pairs, ov, n_lay = tr._overlap_sums(self.wl[m], self.token[m], self.lay[m], self.expert[m], self.n_expert)
+            res = {}
+            for w, name in enumerate(self.workloads):
+                p = pairs[w * n_lay:(w + 1) * n_lay].sum()
+                res[name] = float(ov[w * n_lay:(w + 1) * n_lay].sum() / p) if p else float("nan")
+            self._cache["overlap"] = res
+        return self._cache["overlap"]
+
+
+def prepare(trace: tr.Trace | Replay) -> Replay:
+    """A :class:`Replay` of ``trace`` (returned as is if it already is one)."""
+    return trace if isinstance(trace, Replay) else Replay(trace)
+
+
+# --------------------------------------------------------------------------- budgets
+
+def staging_slots(slots: int, n_expert: int, top_k: int, inserts: int = 0, max_batch: int = 1) -> int:
+    """The engine's staging slots per layer: ``min(inserts or k, k*T, n_expert - slots)``, T = max_batch
+    (a step of T tokens uploads at most k experts unless the insert cap asks for more)."""
+    kt = top_k * max_batch
+    return max(0, min(inserts if inserts > 0 else top_k, kt, n_expert - slots))
+
+
+def token_cycle(n_layer: int, top_k: int, n_expert: int | None = None) -> int:
+    """Entries one token touches in a global cache: ``n_layer * min(top_k, n_expert)``."""
+    return n_layer * (top_k if n_expert is None else min(top_k, n_expert))
+
+
+def zero_hit_entries(n_layer: int, top_k: int, n_expert: int | None = None) -> int:
+    """The largest global budget at which LRU (also FIFO, LFU) never hits on decode routing:
+    ``(n_layer - 1) * k`` entries, where the other layers' entries of one token fill the cache."""
+    return token_cycle(n_layer - 1, top_k, n_expert)
+
+
+def reach_tokens(slots_per_layer: float, top_k: int, overlap: float) -> float:
+    """How many tokens back a per-layer LRU of ``slots_per_layer`` still remembers:
+    ``slots / (k * (1 - overlap))`` (inf when every expert repeats)."""
+    new = top_k * (1.0 - overlap)
+    return math.inf if new <= 0 else slots_per_layer / new
+
+
+def gguf_expert_bytes(model: str | os.PathLike) -> tuple[float, int, int, int]:
+    """One expert's bytes in a GGUF: ``(bytes, n_moe_layers, n_expert, top_k)``.
+
+    Bytes are the ``*_exps.weight`` tensors of all MoE layers (up + gate + down, or the fused
+    gate_up), divided by ``n_moe_layers * n_expert`` (the mean when layers differ in type).
+    Raises :class:`BudgetError` for a model without expert tensors.
+    """
+    import gguf
+    from .. import models
+    meta = models.read_metadata(model)
+    total, layers, n_expert = 0, set(), None
+    for t in meta.tensors:
+        if not (t.name.startswith("blk.") and t.name.endswith("_exps.weight")) or len(t.shape) != 3:
+            continue
+        block, size = gguf.GGML_QUANT_SIZES[t.qtype]
+        total += int(np.prod(t.shape)) // block * size
+        layers.add(t.name.split(".")[1])
+        n_expert = int(t.shape[2])
+    if not layers:
+        raise BudgetError(f"{model} has no expert tensors (blk.N.*_exps.weight); accepted: a MoE GGUF")
+    kvs = meta.kvs
+    arch = kvs["general.architecture"].value
+    arch = arch.decode() if isinstance(arch, bytes) else str(arch)
+    k = int(kvs[f"{arch}.expert_used_count"].value) if f"{arch}.expert_used_count" in kvs else 0
+    return total / (len(layers) * n_expert), len(layers), int(n_expert), k
+
+
+def resolve_budget(*, n_layer: int, n_expert: int, slots_per_layer: int | None = None,
+                   budget_entries: int | None = None, fraction: float | None = None, mib: float | None = None,
+                   expert_bytes: float | None = None) -> int:
+    """Resolve exactly one budget to a number of (layer, expert) entries, clamped to ``n_layer * n_expert``.
+
+    ``slots_per_layer`` N -> N * n_layer; ``budget_entries`` N -> N; ``fraction`` F in [0, 1] ->
+    round(F * n_layer * n_expert); ``mib`` M (MiB, needs ``expert_bytes`` > 0) -> floor(M * 2**20 /
+    expert_bytes). Raises :class:`BudgetError` when none or several are given, or a value is
+    negative or out of range.
+    """
+    given = {k: v for k, v in (("slots_per_layer", slots_per_layer), ("budget_entries", budget_entries),
+                               ("fraction", fraction), ("mib", mib)) if v is not None}
+    if len(given) != 1:
+        raise BudgetError(f"give exactly one budget, got {sorted(given) or 'none'}; accepted: one of "
+                          f"{', '.join(BUDGET_KINDS)}")
+    (kind, v), = given.items()
+    total = n_layer * n_expert
+    if kind == "fraction":
+        if not 0.0 <= v <= 1.0:
+            raise BudgetError(f"fraction {v}; accepted: 0 .. 1")
+        return int(round(v * total))
+    if v < 0:
+        raise BudgetError(f"{kind} {v}; accepted: >= 0")
+    if kind == "slots_per_layer":
+        if int(v) != v:
+            raise BudgetError(f"slots_per_layer {v}; accepted: an integer 0 .. {n_expert}")
+        return min(int(v), n_expert) * n_layer
+    if kind == "budget_entries":
+        if int(v) != v:
+            raise BudgetError(f"budget_entries {v}; accepted: an integer 0 .. {total}")
+        return min(int(v), total)
+    if not expert_bytes or expert_bytes <= 0:
+        raise BudgetError(f"mib {v} needs the bytes of one expert (expert_bytes= or a GGUF model); got {expert_bytes}")
+    return min(int(v * 2**20 // expert_bytes), total)
+
+
+# --------------------------------------------------------------------------- replay
+
+@dataclass(frozen=True)
+class SimResult:
+    """One replay of one policy at one budget.
+
+    ``predicted`` is ``int8 [rows of trace.frame]`` in the frame's row order: 1 hit, 0 miss,
+    -1 not served (layer-lru: a ubatch the engine's cache does not serve) or not replayed (a row
+    outside ``phase`` for the other policies). ``counted`` (bool, same shape) marks the rows of
+    ``phase``; they are the ``accesses`` (a counted -1 is a miss). ``summary`` has one row per
+    workload, columns :data:`SUMMARY_COLUMNS`.
+    """
+
+    policy: str
+    phase: str
+    budget_entries: int
+    slots_per_layer: float
+    inserts: int | None
+    max_batch: int
+    predicted: np.ndarray
+    counted: np.ndarray
+    summary: pd.DataFrame
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits / accesses over all workloads (0.0 when nothing is counted)."""
+        a = int(self.summary["accesses"].sum())
+        return float(self.summary["hits"].sum() / a) if a else 0.0
+
+
+def _run_units(units: _Units, w: int, fn: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Run one workload's slice of ``units`` through ``fn(start, flags, ids, out, counters)``."""
+    u0, u1 = int(units.wl_units[w]), int(units.wl_units[w + 1])
+    e0, e1 = int(units.start[u0]), int(units.start[u1])
+    out = np.empty(e1 - e0, dtype=np.int8)
+    counters = np.zeros(2, dtype=np.int64)
+    if u1 > u0:
+        start = np.ascontiguousarray(units.start[u0:u1 + 1] - e0)
+        flags = units.flags[u0:u1].copy()
+        flags[0] |= _RESET
+        rc = fn(start, flags, np.ascontiguousarray(units.ids[e0:e1]), out, counters)
+        if rc:
+            raise MemoryError(f"replay core failed (code {rc})")
+    return out, counters
+
+
+def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | None = None,
+             budget_entries: int | None = None, fraction: float | None = None, mib: float | None = None,
+             model: str | os.PathLike | None = None, expert_bytes: float | None = None, phase: str = "decode",
+             inserts: int | None = None, max_batch: int = 1, backend: str = "auto",
+             progress: Callable[[int], None] | None = None) -> SimResult:
+    """Replay ``policy`` over every workload of ``trace`` at one budget (see the module doc).
+
+    ``inserts`` (layer-lru only): uploads per layer per step, 0 = unlimited; default: the trace
+    header's, else 0. ``max_batch``: the largest ubatch (tokens) the engine's cache serves (1
+    today; also scales the staging slots). ``progress`` is called with 1 after each workload.
+    Raises :class:`PolicyError` for an unknown policy, phase or backend and :class:`BudgetError`
+    for a bad budget.
+    """
+    if policy not in POLICIES:
+        raise PolicyError(f"policy {policy!r}; accepted: {', '.join(POLICIES)}")
+    if max_batch < 1:
+        raise BudgetError(f"max_batch {max_batch}; accepted: >= 1")
+    rp = prepare(trace)
+    counted = rp.mask(phase)
+    if mib is not None and expert_bytes is None and model is not None:
+        expert_bytes = gguf_expert_bytes(model)[0]
+    entries = resolve_budget(n_layer=rp.n_layer, n_expert=rp.n_expert, slots_per_layer=slots_per_layer,
+                             budget_entries=budget_entries, fraction=fraction, mib=mib, expert_bytes=expert_bytes)
+    if inserts is None:
+        inserts = rp.trace.meta.inserts or 0
+    if inserts < 0:
+        raise BudgetError(f"inserts {inserts}; accepted: >= 0 (0 = unlimited)")
+    use_c = _use_c(backend)
+    lib = _load_core() if use_c else None
+    predicted = np.full(rp.n_rows, -1, dtype=np.int8)
+    uploads = np.zeros(len(rp.workloads), dtype=np.int64)
+
+    if policy == "layer-lru":
+        slots = min(entries // rp.n_layer, rp.n_expert)
+        entries = slots * rp.n_layer
+        units = rp.layer_units(max_batch)
+        stage = staging_slots(slots, rp.n_expert, rp.top_k, inserts, max_batch)
+
+        def fn(start, flags, ids, out, counters):
+            if slots == 0:          # the cache is off: nothing is served
+                out[:] = -1
+                return 0
+            if lib is not None:
+                return lib.pybmoe_sim_layer_lru(len(flags), start, flags, ids, rp.n_expert, slots, inserts, stage,
+                                                out, counters)
+            _layer_lru_py(start, flags, ids, rp.n_expert, slots, inserts, stage, out, counters)
+            return 0
+    elif policy == "static":
+        units = None
+    else:
+        units = rp.global_units(phase)
+        code = _GLOBAL_CODE[policy]
+
+        def fn(start, flags, ids, out, counters):
+            if lib is not None:
+                return lib.pybmoe_sim_global(code, len(flags), start, flags, ids, rp.n_entries, entries, out, counters)
+            _global_py(policy, start, flags, ids, rp.n_entries, entries, out, counters)
+            return 0
+
+    if units is None:                  # static: the counted rows, grouped by workload
+        rows = np.flatnonzero(counted)
+        rows = rows[np.argsort(rp.wl[rows], kind="stable")]
+        bounds = np.searchsorted(rp.wl[rows], np.arange(len(rp.workloads) + 1))
+    for w in range(len(rp.workloads)):
+        if units is not None:
+            out, counters = _run_units(units, w, fn)
+            u0, u1 = int(units.wl_units[w]), int(units.wl_units[w + 1])
+            predicted[units.rows[int(units.start[u0]):int(units.start[u1])]] = out
+            uploads[w] = counters[0]
+        else:
+            r = rows[bounds[w]:bounds[w + 1]]
+            ent = rp.lay[r] * rp.n_expert + rp.expert[r]
+            c = np.bincount(ent, minlength=rp.n_entries)
+            n_pin = min(entries, int((c > 0).sum()))
+            is_pinned = np.zeros(rp.n_entries, dtype=bool)
+            is_pinned[np.argsort(-c, kind="stable")[:n_pin]] = True     # ties: the lower entry
+            predicted[r] = is_pinned[ent]
+            uploads[w] = n_pin
+        if progress:
+            progress(1)
+
+    spl = entries / rp.n_layer
+    return SimResult(policy, phase, entries, spl, inserts if policy == "layer-lru" else None, max_batch,
+                     predicted, counted, _summary(rp, policy, phase, entries, spl,
+                                                  inserts if policy == "layer-lru" else None,
+                                                  predicted, counted, uploads))
+
+
+def _summary(rp: Replay, policy: str, phase: str, entries: int, spl: float, inserts: int | None,
+             predicted: np.ndarray, counted: np.ndarray, uploads: np.ndarray) -> pd.DataFrame:
+    n_w = len(rp.workloads)
+    acc = np.bincount(rp.wl[counted], minlength=n_w)
+    hits = np.bincount(rp.wl[counted & (predicted == 1)], minlength=n_w)
+    tokens = rp.tokens(phase)
+    ov = rp.overlap()
+    rows = []
+    for w, name in enumerate(rp.workloads):
+        o = ov.get(name, float("nan"))
+        rows.append({"workload": name, "policy": policy, "phase": phase, "budget_entries": entries,
+                     "slots_per_layer": spl, "inserts": inserts, "accesses": int(acc[w]), "hits": int(hits[w]),
+                     "misses": int(acc[w] - hits[w]), "hit_rate": float(hits[w] / acc[w]) if acc[w] else 0.0,
+                     "tokens": int(tokens[w]), "uploads": int(uploads[w]), "overlap": o,
+                     "reach_tokens": reach_tokens(spl, rp.top_k, o) if not math.isnan(o) else float("nan")})
+    df = pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
+    df["inserts"] = df["inserts"].astype("Int64")
+    return df
+
+
+def sweep(trace: tr.Trace | Replay, policies: Sequence[str], budgets: Sequence[tuple[str, float]], *,
+          phase: str = "decode", inserts: int | None = None, max_batch: int = 1, expert_bytes: float | None = None,
+          backend: str = "auto", progress: bool | None = None) -> pd.DataFrame:
+    """Replay every policy at every budget; the tidy concatenation of the summaries.
+
+    ``budgets`` are ``(kind, value)`` pairs with ``kind`` in :data:`BUDGET_KINDS`. ``progress``:
+    show a progress bar on stderr (None: only when stderr is a terminal). Raises like :func:`simulate`.
+    """
+    from tqdm import tqdm
+    rp = prepare(trace)
+    for p in policies:
+        if p not in POLICIES:
+            raise PolicyError(f"policy {p!r}; accepted: {', '.join(POLICIES)}")
+    frames = []
+    total = len(policies) * len(budgets) * len(rp.workloads)
+    with tqdm(total=total, desc="replay", unit="run", file=sys.stderr, leave=False,
+              disable=None if progress is None else not progress) as bar:
+        for p in policies:
+            for kind, v in budgets:
+                if kind not in BUDGET_KINDS:
+                    raise BudgetError(f"budget kind {kind!r}; accepted: {', '.join(BUDGET_KINDS)}")
+                r = simulate(rp, p, phase=phase, inserts=inserts, max_batch=max_batch, expert_bytes=expert_bytes,
+                             backend=backend, progress=bar.update, **{kind: v})
+                frames.append(r.summary)
+    return pd.concat(frames, ignore_index=True)
+
+
+def pooled(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (policy, budget): accesses, hits and hit rate summed over workloads (from a :func:`sweep` frame)."""
+    g = df.groupby(["policy", "budget_entries"], sort=False, as_index=False).agg(
+        slots_per_layer=("slots_per_layer", "first"), accesses=("accesses", "sum"), hits=("hits", "sum"),
+        misses=("misses", "sum"), uploads=("uploads", "sum"), tokens=("tokens", "sum"))
+    g["hit_rate"] = g["hits"] / g["accesses"].where(g["accesses"] > 0)
+    return g
+
+
+# --------------------------------------------------------------------------- derived tables
+
+def misses_per_token(trace: tr.Trace | Replay, slots_per_layer: Sequence[int], batches: Sequence[int] = (1, 2, 4, 8, 16),
+                     *, policy: str = "layer-lru", inserts: int = 0, backend: str = "auto") -> pd.DataFrame:
+    """The "misses per token at batch b" table, from the decode rows.
+
+    Consecutive decode tokens of each workload are regrouped into ubatches of ``b`` tokens (the
+    engine then serves ubatches of up to ``b``: ``max_batch = b``) and replayed. A step that
+    misses an expert loads it once for all of its tokens, so the cost is the distinct missed
+    (layer, expert) entries per step. ``misses_per_token`` = those loads / (tokens * n_layer):
+    experts loaded per token per layer (``k * (1 - hit rate)`` at b = 1 without duplicates).
+    Columns ``policy, slots_per_layer, batch, tokens, loads, misses_per_token`` (pooled over
+    workloads). Raises :class:`BudgetError` for a batch below 1.
+    """
+    rp = prepare(trace)
+    dec = rp.trace.select("decode")
+    if len(dec.frame) == 0:
+        raise BudgetError("the trace has no decode rows; accepted: a trace with decode tokens")
+    rows = []
+    for b in batches:
+        if b < 1:
+            raise BudgetError(f"batch {b}; accepted: >= 1")
+        f = dec.frame.copy()
+        wl = pd.factorize(f["workload"].astype(str), sort=False)[0]
+        tok = f["token"].to_numpy().astype(np.int64)
+        first = pd.Series(tok).groupby(wl).transform("min").to_numpy()
+        f["ubatch"] = ((tok - first) // b).astype(np.int32)
+        rb = Replay(tr.Trace(f, dec.meta, dec.source))
+        n_tokens = int(len(np.unique(wl * (int(tok.max()) + 1) + tok)))
+        for s in slots_per_layer:
+            r = simulate(rb, policy, slots_per_layer=s, phase="decode", inserts=inserts, max_batch=b, backend=backend)
+            miss = r.predicted != 1
+            unit = (rb.wl * (int(rb.ubatch.max()) + 1) + rb.ubatch) * rb.n_layer + rb.lay
+            loads = len(np.unique(unit[miss] * rb.n_expert + rb.expert[miss]))
+            rows.append({"policy": policy, "slots_per_layer": s, "batch": b, "tokens": n_tokens, "loads": loads,
+                         "misses_per_token": loads / (n_tokens * rb.n_layer)})
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- the engine check
+
+def engine_replay(trace: tr.Trace | Replay, *, slots_per_layer: int | None = None, inserts: int | None = None,
+                  max_batch: int | None = None, backend: str = "auto") -> SimResult:
+    """The layer-lru replay of an engine trace with the engine's own settings (the header's
+    ``slots``, ``inserts`` and ``max_batch`` unless given). Raises :class:`BudgetError` when the slots are unknown."""
+    rp = prepare(trace)
+    if max_batch is None:  # the engine writes max_batch= in the trace header
+        max_batch = int(rp.trace.meta.extra.get("max_batch", 1))
+    slots = slots_per_layer if slots_per_layer is not None else rp.trace.meta.slots
+    if slots is None:
+        raise BudgetError("the trace header has no slots= (captured without the cache?); accepted: slots_per_layer=N")
+    return simulate(rp, "layer-lru", slots_per_layer=slots, inserts=inserts, phase="all", max_batch=max_batch,
+                    backend=backend)
+
+
+def compare_with_engine(trace: tr.Trace | Replay, result: SimResult) -> pd.DataFrame:
+    """The rows where the replay and the engine's ``hit`` column disagree (empty when exact).
+
+    Compared: every row of a layer the engine cached (a layer with any ``hit`` >= 0). Returns
+    those rows of the frame with a ``predicted`` column added.
+    """
+    rp = prepare(trace)
+    f = rp.trace.frame
+    hit = f["hit"].to_numpy()
+    cached_layers = np.unique(rp.lay[hit >= 0])
+    cmp = np.isin(rp.lay, cached_layers)
+    bad = cmp & (hit != result.predicted)
+    out = f.loc[bad].copy()
+    out["predicted"] = result.predicted[bad]
+    return out

@@ -1,0 +1,690 @@
+"""Routing traces: which experts the router picked, token by token, layer by layer.
+
+The canonical form is a pandas DataFrame with one row per **lookup** (one routed expert of
+one token at one MoE layer)::
+
+    column    dtype     meaning
+    workload  category  the prompt / request the token belongs to (each replays from a cold cache)
+    phase     category  "prefill" or "decode"
+    ubatch    int32     0-based index of the engine ubatch (one graph) within the workload
+    token     int32     0-based running token index within the workload
+    layer     int16     model layer index (need not be contiguous: dense layers have no rows)
+    rank      int16     position in router order, 0 .. top-k - 1
+    expert    int32     expert id, 0 .. n_expert - 1
+    hit       int8      the engine cache's answer: 1 hit, 0 miss, -1 not served / unknown
+
+Files (all read by :func:`read_trace`, format sniffed from the content):
+
+- **engine CSV** (what ``--moe-trace FILE`` writes, and what :func:`write_trace` writes for
+  ``.csv``): one comment line ``# pybmoe-trace v1 key=value ...`` (keys ``n_layer``,
+  ``n_expert``, ``n_expert_used``, ``slots``, ``inserts``; unknown keys are kept in
+  :attr:`TraceMeta.extra`), then the header ``workload,phase,ubatch,token,layer,rank,expert,hit``
+  and one row per lookup.
+- **Parquet** (``.parquet``): the same columns; the comment line is kept in the schema metadata
+  under ``pybmoe-trace``.
+- **granite JSON** (``shared/data/granite-3.0-1b-a400m-routing.json``): ``{num_layers,
+  num_experts, top_k, prompts: {name: {prefill: [T][L][k], decode: [D][L][k]}}}``. Each prompt
+  is a workload; its prefill is one ubatch (tokens ``0..T-1``) and each decode token is its own
+  ubatch; ``hit`` is -1.
+- **JSONL route logs**: one object per line ``{"layer": L, "token_idx": t, "topk_ids": [...]}``.
+  One workload (named after the file), decode phase, each token its own ubatch; tokens are
+  renumbered 0.. in ``token_idx`` order.
+
+:func:`trace_stats` computes the locality statistics (expert-frequency Gini per layer,
+consecutive-token overlap, reuse distances, static hot-set coverage in and out of sample).
+
+Errors: :class:`TraceFormatError` (a :class:`ValueError`) names the file, the line or field and
+the accepted values.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+from pandas.api.types import union_categoricals
+
+#: Version written in (and accepted from) the first line of an engine CSV.
+FORMAT_VERSION = 1
+MAGIC = "# pybmoe-trace"
+COLUMNS = ("workload", "phase", "ubatch", "token", "layer", "rank", "expert", "hit")
+PHASES = ("prefill", "decode")
+#: Phase selections accepted by the statistics and the simulator.
+PHASE_CHOICES = ("prefill", "decode", "all")
+_INT_DTYPES = {"ubatch": np.int32, "token": np.int32, "layer": np.int16, "rank": np.int16,
+               "expert": np.int32, "hit": np.int8}
+_META_KEYS = ("n_layer", "n_expert", "n_expert_used", "slots", "inserts")
+FORMATS = ("auto", "engine", "parquet", "granite", "jsonl")
+
+
+class TraceFormatError(ValueError):
+    """A trace file or frame does not follow the format; the message names the place and the accepted values."""
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    """Shape of the model a trace came from (counts), plus the engine cache settings if known.
+
+    ``n_layer``: model layers (block count; layer indices are below it), ``n_expert``: experts
+    per MoE layer, ``n_expert_used``: top-k, ``slots`` / ``inserts``: the engine's
+    ``--moe-expert-cache`` / ``--moe-expert-cache-inserts`` when the trace was captured with the
+    cache (None when unknown), ``extra``: any other ``key=value`` of the header.
+    """
+
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    slots: int | None = None
+    inserts: int | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def header_line(self) -> str:
+        """The ``# pybmoe-trace v1 ...`` comment line (no newline)."""
+        kv = {"n_layer": self.n_layer, "n_expert": self.n_expert, "n_expert_used": self.n_expert_used}
+        if self.slots is not None:
+            kv["slots"] = self.slots
+        if self.inserts is not None:
+            kv["inserts"] = self.inserts
+        kv.update(self.extra)
+        return f"{MAGIC} v{FORMAT_VERSION} " + " ".join(f"{k}={v}" for k, v in kv.items())
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A routing trace: the canonical ``frame`` (see the module doc) and its ``meta``."""
+
+    frame: pd.DataFrame
+    meta: TraceMeta
+    source: str = ""
+
+    @property
+    def workloads(self) -> list[str]:
+        """Workload names in order of first appearance."""
+        return [str(w) for w in pd.unique(self.frame["workload"])]
+
+    @property
+    def layers(self) -> np.ndarray:
+        """The distinct layer indices present, ascending (int)."""
+        return np.unique(self.frame["layer"].to_numpy()).astype(np.int64)
+
+    def select(self, phase: str = "all", workload: str | None = None) -> "Trace":
+        """The rows of one phase (``prefill``, ``decode`` or ``all``) and optionally one workload.
+
+        Raises :class:`ValueError` for an unknown phase or workload.
+        """
+        mask = phase_mask(self.frame, phase)
+        if workload is not None:
+            if workload not in self.workloads:
+                raise ValueError(f"workload {workload!r} is not in the trace; accepted: {self.workloads}")
+            mask &= (self.frame["workload"] == workload).to_numpy()
+        return replace(self, frame=self.frame.loc[mask].reset_index(drop=True))
+
+
+def phase_mask(frame: pd.DataFrame, phase: str) -> np.ndarray:
+    """Boolean mask ``[len(frame)]`` of the rows in ``phase`` (``prefill``, ``decode`` or ``all``)."""
+    if phase not in PHASE_CHOICES:
+        raise ValueError(f"phase {phase!r} is not accepted; accepted: {', '.join(PHASE_CHOICES)}")
+    if phase == "all":
+        return np.ones(len(frame), dtype=bool)
+    return (frame["phase"] == phase).to_numpy()
+
+
+# --------------------------------------------------------------------------- building and checking
+
+def _categorical(values: Any, categories: Sequence[str] | None = None) -> pd.Categorical:
+    """String categories; without ``categories`` they are the values in order of first appearance."""
+    if categories is None:
+        if isinstance(getattr(values, "dtype", None), pd.CategoricalDtype):
+            codes = np.asarray(values.cat.codes)
+            cats = np.asarray(values.cat.categories).astype(str)
+            if (codes < 0).any():
+                raise TraceFormatError("column 'workload' has missing values; accepted: a name on every row")
+            seen = pd.unique(codes)
+            remap = np.full(len(cats), -1, dtype=np.int64)
+            remap[seen] = np.arange(len(seen))
+            return pd.Categorical.from_codes(remap[codes], categories=list(cats[seen]))
+        codes, uniques = pd.factorize(pd.Series(values).astype(str), sort=False)
+        return pd.Categorical.from_codes(codes, categories=[str(u) for u in uniques])
+    if isinstance(getattr(values, "dtype", None), pd.CategoricalDtype):
+        return pd.Series(values).cat.set_categories(list(categories)).array
+    return pd.Categorical(values, categories=list(categories))
+
+
+def from_frame(frame: pd.DataFrame, meta: TraceMeta | None = None, source: str = "") -> Trace:
+    """Check and normalise a frame with the canonical :data:`COLUMNS` into a :class:`Trace`.
+
+    ``hit`` may be missing (filled with -1). Missing ``meta`` fields are inferred: ``n_layer`` =
+    max layer + 1, ``n_expert`` = max expert + 1, ``n_expert_used`` = max rank + 1.
+    Raises :class:`TraceFormatError` for a missing column, a bad phase, a negative or
+    out-of-range value (naming the column, the value and the accepted range).
+    """
+    where = source or "frame"
+    frame = frame.copy()
+    if "hit" not in frame.columns:
+        frame["hit"] = -1
+    missing = [c for c in COLUMNS if c not in frame.columns]
+    if missing:
+        raise TraceFormatError(f"{where}: missing column(s) {missing}; accepted columns: {', '.join(COLUMNS)}")
+    frame = frame[list(COLUMNS)]
+    bad_phase = set(map(str, pd.unique(frame["phase"]))) - set(PHASES)
+    if bad_phase:
+        raise TraceFormatError(f"{where}: phase value(s) {sorted(bad_phase)}; accepted: {', '.join(PHASES)}")
+    out = {"workload": _categorical(frame["workload"]), "phase": _categorical(frame["phase"], PHASES)}
+    for c, dt in _INT_DTYPES.items():
+        col = frame[c]
+        if not pd.api.types.is_integer_dtype(col):
+            num = pd.to_numeric(col, errors="coerce")
+            if num.isna().any() or (num != np.floor(num)).any():
+                bad = col[num.isna() | (num != np.floor(num))].iloc[0]
+                raise TraceFormatError(f"{where}: column {c!r} has the non-integer value {bad!r}; accepted: integers")
+            col = num
+        v = col.to_numpy().astype(np.int64)
+        lo = -1 if c == "hit" else 0
+        hi = 1 if c == "hit" else np.iinfo(dt).max
+        if len(v) and (v.min() < lo or v.max() > hi):
+            bad = v[(v < lo) | (v > hi)][0]
+            raise TraceFormatError(f"{where}: column {c!r} has the value {bad}; accepted: {lo} .. {hi}")
+        out[c] = v.astype(dt)
+    df = pd.DataFrame(out)
+    if len(df) == 0:
+        raise TraceFormatError(f"{where}: the trace has no rows; accepted: at least one lookup")
+    inferred = TraceMeta(int(df["layer"].max()) + 1, int(df["expert"].max()) + 1, int(df["rank"].max()) + 1)
+    meta = meta or inferred
+    for name, have, need in (("n_layer", meta.n_layer, inferred.n_layer), ("n_expert", meta.n_expert, inferred.n_expert),
+                             ("n_expert_used", meta.n_expert_used, inferred.n_expert_used)):
+        if have < need:
+            col = {"n_layer": "layer", "n_expert": "expert", "n_expert_used": "rank"}[name]
+            raise TraceFormatError(f"{where}: column {col!r} has the value {need - 1} but the header says "
+                                   f"{name}={have}; accepted: {col} 0 .. {have - 1}")
+    return Trace(df, meta, source)
+
+
+def make_trace(routing: np.ndarray, *, workload: str = "w0", phase: str = "decode", n_expert: int | None = None,
+               ubatch_tokens: int = 1) -> Trace:
+    """A trace from a dense routing array ``[tokens, layers, top_k]`` of expert ids (one workload).
+
+    Tokens are grouped into ubatches of ``ubatch_tokens`` consecutive tokens; ``hit`` is -1.
+    Handy for tests and synthetic benchmarks. Raises :class:`TraceFormatError` for a bad shape.
+    """
+    r = np.asarray(routing)
+    if r.ndim != 3:
+        raise TraceFormatError(f"routing has shape {r.shape}; accepted: [tokens, layers, top_k]")
+    t, l, k = r.shape
+    tok, lay, rnk = np.meshgrid(np.arange(t), np.arange(l), np.arange(k), indexing="ij")
+    df = pd.DataFrame({"workload": workload, "phase": phase, "ubatch": (tok // ubatch_tokens).ravel(),
+                       "token": tok.ravel(), "layer": lay.ravel(), "rank": rnk.ravel(), "expert": r.ravel(), "hit": -1})
+    meta = TraceMeta(l, n_expert if n_expert is not None else int(r.max()) + 1, k)
+    return from_frame(df, meta, f"routing[{t}x{l}x{k}]")
+
+
+def concat(traces: Iterable[Trace]) -> Trace:
+    """Several traces as one (their workloads must have distinct names); meta is the widest shape."""
+    traces = list(traces)
+    if not traces:
+        raise ValueError("concat needs at least one trace")
+    names: list[str] = []
+    for t in traces:
+        dup = set(names) & set(t.workloads)
+        if dup:
+            raise ValueError(f"workload name(s) {sorted(dup)} appear in more than one trace; accepted: distinct names")
+        names += t.workloads
+    frame = pd.concat([t.frame.drop(columns="workload") for t in traces], ignore_index=True)
+    frame.insert(0, "workload", union_categoricals([t.frame["workload"] for t in traces]))
+    m = traces[0].meta
+    meta = TraceMeta(max(t.meta.n_layer for t in traces), max(t.meta.n_expert for t in traces),
+                     max(t.meta.n_expert_used for t in traces), m.slots, m.inserts, dict(m.extra))
+    return from_frame(frame, meta, "+".join(t.source for t in traces))
+
+
+# --------------------------------------------------------------------------- readers
+
+def parse_header(line: str, where: str = "trace") -> TraceMeta:
+    """Parse a ``# pybmoe-trace v1 key=value ...`` line into a :class:`TraceMeta`.
+
+    Raises :class:`TraceFormatError` for another magic or version, a token that is not
+    ``key=value``, a non-integer known key, or a missing ``n_layer``/``n_expert``/``n_expert_used``.
+    """
+    parts = line.strip().split()
+    if len(parts) < 3 or " ".join(parts[:2]) != MAGIC:
+        raise TraceFormatError(f"{where}: line 1 is {line.strip()[:60]!r}; accepted: '{MAGIC} v{FORMAT_VERSION} key=value ...'")
+    if parts[2] != f"v{FORMAT_VERSION}":
+        raise TraceFormatError(f"{where}: trace format {parts[2]!r}; accepted: v{FORMAT_VERSION}")
+    kv: dict[str, str] = {}
+    for p in parts[3:]:
+        if "=" not in p:
+            raise TraceFormatError(f"{where}: header token {p!r}; accepted: key=value")
+        k, v = p.split("=", 1)
+        kv[k] = v
+    ints: dict[str, int | None] = {}
+    for k in _META_KEYS:
+        if k in kv:
+            try:
+                ints[k] = int(kv.pop(k))
+            except ValueError:
+                raise TraceFormatError(f"{where}: header {k}={line.split(k + '=', 1)[1].split()[0]!r}; accepted: an integer") from None
+    need = [k for k in _META_KEYS[:3] if k not in ints]
+    if need:
+        raise TraceFormatError(f"{where}: header lacks {need}; accepted header keys: {', '.join(_META_KEYS)}")
+    return TraceMeta(ints["n_layer"], ints["n_expert"], ints["n_expert_used"], ints.get("slots"), ints.get("inserts"), kv)
+
+
+def read_engine_csv(path: str | Path) -> Trace:
+    """Read an engine CSV (``--moe-trace FILE``, or :func:`write_trace` to ``.csv``). See the module doc."""
+    path = Path(path)
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+        second = f.readline().strip()
+    meta = parse_header(first, str(path))
+    if second.split(",") != list(COLUMNS):
+        raise TraceFormatError(f"{path}: line 2 is {second[:80]!r}; accepted: {','.join(COLUMNS)}")
+    dtypes = {"workload": "category", "phase": "category", **{c: np.int64 for c in _INT_DTYPES}}
+    try:
+        df = pd.read_csv(path, skiprows=1, dtype=dtypes, keep_default_na=False, na_filter=False)
+    except ValueError as e:
+        raise TraceFormatError(f"{path}: {e}; accepted: integer columns {', '.join(_INT_DTYPES)}") from None
+    return from_frame(df, meta, str(path))
+
+
+def read_parquet(path: str | Path) -> Trace:
+    """Read a Parquet trace written by :func:`write_trace` (meta from the schema metadata, else inferred)."""
+    import pyarrow.parquet as pq
+    table = pq.read_table(path)
+    md = table.schema.metadata or {}
+    meta = parse_header(md[b"pybmoe-trace"].decode(), str(path)) if b"pybmoe-trace" in md else None
+    return from_frame(table.to_pandas(), meta, str(path))
+
+
+def read_granite_json(path: str | Path) -> Trace:
+    """Import the granite routing JSON (see the module doc): one workload per prompt, in file order."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise TraceFormatError(f"{path}: not JSON ({e})") from None
+    for key in ("num_layers", "num_experts", "top_k", "prompts"):
+        if key not in doc:
+            raise TraceFormatError(f"{path}: no {key!r}; accepted: {{num_layers, num_experts, top_k, prompts}}")
+    L, E, K = int(doc["num_layers"]), int(doc["num_experts"]), int(doc["top_k"])
+    frames = []
+    for name, p in doc["prompts"].items():
+        t0 = 0
+        ub0 = 0
+        for phase in PHASES:
+            if phase not in p:
+                raise TraceFormatError(f"{path}: prompt {name!r} has no {phase!r}; accepted: prefill and decode arrays")
+            arr = np.asarray(p[phase], dtype=np.int64)
+            if arr.size == 0:
+                continue
+            if arr.ndim != 3 or arr.shape[1:] != (L, K):
+                raise TraceFormatError(f"{path}: prompts.{name}.{phase} has shape {arr.shape}; accepted: [tokens, {L}, {K}]")
+            n = arr.shape[0]
+            tok, lay, rnk = np.meshgrid(np.arange(n), np.arange(L), np.arange(K), indexing="ij")
+            ub = np.zeros_like(tok) if phase == "prefill" else tok
+            frames.append(pd.DataFrame({"workload": name, "phase": phase, "ubatch": (ub0 + ub).ravel(),
+                                        "token": (t0 + tok).ravel(), "layer": lay.ravel(), "rank": rnk.ravel(),
+                                        "expert": arr.ravel(), "hit": -1}))
+            t0 += n
+            ub0 += 1 if phase == "prefill" else n
+    if not frames:
+        raise TraceFormatError(f"{path}: no prompt has any token")
+    return from_frame(pd.concat(frames, ignore_index=True), TraceMeta(L, E, K), str(path))
+
+
+def read_route_jsonl(path: str | Path, *, workload: str | None = None, n_expert: int | None = None) -> Trace:
+    """Import a JSONL route log (``{"layer", "token_idx", "topk_ids"}`` per line) as one decode workload.
+
+    ``workload`` defaults to the file name without its suffix; ``n_expert`` to max id + 1.
+    Raises :class:`TraceFormatError` naming the line for a bad object, or for ragged ``topk_ids``.
+    """
+    path = Path(path)
+    layers, tokens, ids = [], [], []
+    k = None
+    with open(path, encoding="utf-8") as f:
+        for no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                o = json.loads(line)
+                lay, tok, top = int(o["layer"]), int(o["token_idx"]), [int(x) for x in o["topk_ids"]]
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise TraceFormatError(f"{path}:{no}: {e!r}; accepted: {{\"layer\": int, \"token_idx\": int, "
+                                       "\"topk_ids\": [int, ...]}}") from None
+            if k is None:
+                k = len(top)
+            if len(top) != k or k == 0:
+                raise TraceFormatError(f"{path}:{no}: {len(top)} topk_ids; accepted: {k or 'at least 1'} on every line")
+            layers.append(lay)
+            tokens.append(tok)
+            ids.append(top)
+    if k is None:
+        raise TraceFormatError(f"{path}: no route lines")
+    tok_arr = np.asarray(tokens, dtype=np.int64)
+    _, dense = np.unique(tok_arr, return_inverse=True)
+    n = len(layers)
+    ids_arr = np.asarray(ids, dtype=np.int64)
+    df = pd.DataFrame({"workload": workload or path.stem, "phase": "decode",
+                       "ubatch": np.repeat(dense, k), "token": np.repeat(dense, k),
+                       "layer": np.repeat(np.asarray(layers, dtype=np.int64), k),
+                       "rank": np.tile(np.arange(k), n), "expert": ids_arr.ravel(), "hit": -1})
+    df = df.sort_values(["token", "layer", "rank"], kind="stable").reset_index(drop=True)
+    lay_max, e_max = int(df["layer"].max()), int(df["expert"].max())
+    meta = TraceMeta(lay_max + 1, n_expert if n_expert is not None else e_max + 1, k)
+    return from_frame(df, meta, str(path))
+
+
+def sniff_format(path: str | Path) -> str:
+    """The format of a trace file: ``engine``, ``parquet``, ``granite`` or ``jsonl`` (from its first bytes)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    if head.startswith(MAGIC.encode()):
+        return "engine"
+    text = head.lstrip()
+    if text.startswith(b"{"):
+        first_line = text.split(b"\n", 1)[0]
+        try:
+            o = json.loads(first_line)
+            if isinstance(o, dict) and "topk_ids" in o:
+                return "jsonl"
+        except json.JSONDecodeError:
+            pass
+        return "granite"
+    raise TraceFormatError(f"{path}: unknown trace format (starts with {head[:24]!r}); accepted: engine CSV "
+                           f"('{MAGIC} v{FORMAT_VERSION}'), Parquet, granite JSON, JSONL route log")
+
+
+def read_trace(path: str | Path, *, fmt: str = "auto", workload: str | None = None) -> Trace:
+    """Read any supported trace file (see the module doc); ``fmt`` is one of :data:`FORMATS`.
+
+    ``workload`` names the workload of a JSONL log. Raises :class:`FileNotFoundError` for a
+    missing file and :class:`TraceFormatError` for a malformed one or an unknown ``fmt``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace {path} not found")
+    if fmt not in FORMATS:
+        raise TraceFormatError(f"trace format {fmt!r}; accepted: {', '.join(FORMATS)}")
+    if fmt == "auto":
+        fmt = sniff_format(path)
+    if fmt == "engine":
+        return read_engine_csv(path)
+    if fmt == "parquet":
+        return read_parquet(path)
+    if fmt == "granite":
+        return read_granite_json(path)
+    return read_route_jsonl(path, workload=workload)
+
+
+def write_trace(trace: Trace, path: str | Path, *, fmt: str = "auto") -> Path:
+    """Write ``trace`` as an engine CSV (``fmt="csv"``) or Parquet (``fmt="parquet"``).
+
+    ``auto`` picks Parquet for a ``.parquet``/``.pq`` suffix and CSV otherwise. The CSV is the
+    engine's ``--moe-trace`` format, so the file reads back with :func:`read_trace`. Returns the path.
+    """
+    path = Path(path)
+    if fmt == "auto":
+        fmt = "parquet" if path.suffix in (".parquet", ".pq") else "csv"
+    if fmt not in ("csv", "parquet"):
+        raise TraceFormatError(f"output format {fmt!r}; accepted: csv, parquet")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        table = pa.Table.from_pandas(trace.frame, preserve_index=False)
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                               b"pybmoe-trace": trace.meta.header_line().encode()})
+        pq.write_table(table, path)
+        return path
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(trace.meta.header_line() + "\n")
+        trace.frame.to_csv(f, index=False, lineterminator="\n")
+    return path
+
+
+# --------------------------------------------------------------------------- statistics
+
+def gini(counts: np.ndarray) -> float:
+    """Gini coefficient of non-negative counts ``[n]`` (zeros included): 0 = uniform, (n-1)/n = one item.
+
+    Returns 0.0 for an all-zero vector.
+    """
+    x = np.sort(np.asarray(counts, dtype=np.float64))
+    n, s = len(x), x.sum()
+    if n == 0 or s == 0:
+        return 0.0
+    i = np.arange(1, n + 1)
+    return float(2.0 * (i * x).sum() / (n * s) - (n + 1) / n)
+
+
+def _codes(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    f = trace.frame
+    wl = f["workload"].cat.codes.to_numpy().astype(np.int64)
+    return wl, f["token"].to_numpy().astype(np.int64), f["layer"].to_numpy().astype(np.int64), f["expert"].to_numpy().astype(np.int64)
+
+
+def frequency_gini(trace: Trace) -> pd.DataFrame:
+    """Per layer: the Gini of its experts' selection counts (pooled over workloads).
+
+    Columns ``layer, lookups, gini, top_share`` (``top_share``: the most selected expert's share).
+    """
+    f = trace.frame
+    E = trace.meta.n_expert
+    rows = []
+    for layer, g in f.groupby("layer", sort=True, observed=True):
+        c = np.bincount(g["expert"].to_numpy(), minlength=E)
+        rows.append({"layer": int(layer), "lookups": int(c.sum()), "gini": gini(c), "top_share": float(c.max() / c.sum())})
+    return pd.DataFrame(rows)
+
+
+def _overlap_sums(wl: np.ndarray, tok: np.ndarray, lay: np.ndarray, exp: np.ndarray, n_expert: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Consecutive-token overlap from code arrays (``wl``, ``lay`` dense codes from 0).
+
+    Returns ``(pairs, overlap_sum)`` per (wl, layer), flattened as ``wl * n_lay + lay``, and
+    ``n_lay``: a pair is a token ``t`` whose token ``t - 1`` has lookups at the same layer.
+    """
+    n_lay = int(lay.max()) + 1 if len(lay) else 1
+    n_wl = int(wl.max()) + 1 if len(wl) else 1
+    T = int(tok.max()) + 2 if len(tok) else 2         # + 2: token T - 1 never occurs, so no false neighbours
+    E = n_expert
+    # sorted by (workload, layer, expert, token): a lookup is shared with the previous token
+    # exactly when the key before it is one less
+    ks = np.sort(((wl * n_lay + lay) * E + exp) * T + tok)
+    shared = np.zeros(len(ks), dtype=bool)
+    shared[1:] = ks[1:] == ks[:-1] + 1
+    grp = (ks // (E * T)) * T + ks % T                   # (workload, layer, token)
+    order = np.argsort(grp, kind="stable")
+    g = grp[order]
+    first = np.ones(len(g), dtype=bool)
+    first[1:] = g[1:] != g[:-1]
+    starts = np.flatnonzero(first)
+    groups = g[starts]
+    n = np.diff(np.append(starts, len(g)))
+    sh = np.add.reduceat(shared[order].astype(np.int64), starts) if len(starts) else np.zeros(0, np.int64)
+    has_prev = np.zeros(len(groups), dtype=bool)
+    has_prev[1:] = groups[1:] == groups[:-1] + 1          # token t - 1 of the same (workload, layer)
+    wl_lay = groups[has_prev] // T
+    size = n_wl * n_lay
+    pairs = np.bincount(wl_lay, minlength=size)
+    ov = np.bincount(wl_lay, weights=sh[has_prev] / n[has_prev], minlength=size)
+    return pairs, ov, n_lay
+
+
+def consecutive_overlap(trace: Trace) -> pd.DataFrame:
+    """Per workload and layer: the mean share of a token's top-k also selected by the previous token.
+
+    Only token pairs ``(t-1, t)`` that are both in ``trace`` count. Columns ``workload, layer,
+    pairs, overlap`` (overlap in [0, 1]; NaN where there is no pair).
+    """
+    wl, tok, layer, exp = _codes(trace)
+    layers, lay = np.unique(layer, return_inverse=True)
+    pairs, ov, n_lay = _overlap_sums(wl, tok, lay.astype(np.int64), exp, trace.meta.n_expert)
+    names = list(trace.frame["workload"].cat.categories)
+    w_idx = np.repeat(np.arange(len(names)), n_lay)
+    pairs, ov = pairs[:len(w_idx)], ov[:len(w_idx)]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(pairs > 0, ov / np.maximum(pairs, 1), np.nan)
+    out = pd.DataFrame({"workload": [str(names[i]) for i in w_idx], "layer": np.tile(layers, len(names)),
+                        "pairs": pairs.astype(int), "overlap": mean})
+    present = set(trace.workloads)
+    return out[out["workload"].isin(present)].reset_index(drop=True)
+
+
+def mean_overlap(trace: Trace) -> dict[str, float]:
+    """Per workload: the consecutive-token overlap averaged over all token pairs of all layers (NaN if none)."""
+    ov = consecutive_overlap(trace)
+    res = {}
+    for w, g in ov.groupby("workload", sort=False):
+        p = g["pairs"].to_numpy()
+        res[str(w)] = float(np.nansum(g["overlap"].to_numpy() * p) / p.sum()) if p.sum() else float("nan")
+    return res
+
+
+#: Upper edges (tokens) of the reuse-distance bins; the last bin is open.
+REUSE_BINS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def reuse_distances(trace: Trace) -> np.ndarray:
+    """Per lookup (frame order): tokens since the same (workload, layer, expert) was last selected.
+
+    ``int64 [rows]``; 0 for a first use (cold).
+    """
+    wl, tok, lay, exp = _codes(trace)
+    order = np.lexsort((tok, exp, lay, wl))
+    t = tok[order]
+    grp = ((wl * (trace.meta.n_layer + 1) + lay) * (trace.meta.n_expert + 1) + exp)[order]
+    d = np.zeros(len(t), dtype=np.int64)
+    same = np.r_[False, grp[1:] == grp[:-1]]
+    d[same] = (t[1:] - t[:-1])[same[1:]]
+    out = np.empty_like(d)
+    out[order] = d
+    return out
+
+
+def reuse_histogram(trace: Trace) -> pd.DataFrame:
+    """The reuse-distance distribution: columns ``distance`` (bin label), ``lookups``, ``share``, ``cum_share``.
+
+    Bins: ``cold`` (first use), then 1, 2, 3-4, 5-8, ... (see :data:`REUSE_BINS`) and ``>64``.
+    ``cum_share`` accumulates over the warm bins only (the share reusable within that distance).
+    """
+    d = reuse_distances(trace)
+    labels, counts = ["cold"], [int((d == 0).sum())]
+    lo = 1
+    for hi in REUSE_BINS:
+        labels.append(str(hi) if hi == lo else f"{lo}-{hi}")
+        counts.append(int(((d >= lo) & (d <= hi)).sum()))
+        lo = hi + 1
+    labels.append(f">{REUSE_BINS[-1]}")
+    counts.append(int((d > REUSE_BINS[-1]).sum()))
+    n = max(len(d), 1)
+    share = np.asarray(counts) / n
+    cum = np.r_[0.0, np.cumsum(share[1:])]
+    return pd.DataFrame({"distance": labels, "lookups": counts, "share": share, "cum_share": cum})
+
+
+def _hot_sets(counts: np.ndarray, size: int) -> np.ndarray:
+    """Per layer, a bool mask [L, E] of the ``size`` most frequent experts (ties: lower id)."""
+    L, E = counts.shape
+    order = np.lexsort((np.broadcast_to(np.arange(E), (L, E)), -counts), axis=1)
+    hot = np.zeros((L, E), dtype=bool)
+    np.put_along_axis(hot, order[:, :size], True, axis=1)
+    return hot
+
+
+def static_coverage(trace: Trace, sizes: Sequence[int] | None = None) -> pd.DataFrame:
+    """Static hot-set coverage in sample versus out of sample: the "exploitable static skew" test.
+
+    For each evaluation split and hot-set size ``s`` (experts per layer), the hot set of each
+    layer is its ``s`` most frequent experts, learned either from the split itself
+    (``in_sample``) or from held-out data (``out_of_sample``): with two or more workloads, the
+    other workloads (leave one out); with one, its first half of tokens predicts the second.
+    ``uniform`` = ``s / n_expert`` is what a hot set without skew covers. Columns ``split,
+    slots_per_layer, in_sample, out_of_sample, uniform, lift`` (lift = out_of_sample / uniform).
+    Raises :class:`ValueError` for a size outside 1 .. n_expert.
+    """
+    E, L = trace.meta.n_expert, trace.meta.n_layer
+    k = trace.meta.n_expert_used
+    if sizes is None:
+        sizes = sorted({max(1, s) for s in (k, E // 8, E // 4, E // 2) if s < E} or {1})
+    for s in sizes:
+        if not 1 <= s <= E:
+            raise ValueError(f"hot-set size {s}; accepted: 1 .. {E}")
+    wl, tok, lay, exp = _codes(trace)
+
+    def counts(mask: np.ndarray) -> np.ndarray:
+        return np.bincount(lay[mask] * E + exp[mask], minlength=L * E).reshape(L, E)
+
+    splits: list[tuple[str, np.ndarray, np.ndarray]] = []
+    names = trace.workloads
+    if len(names) >= 2:
+        for i, n in enumerate(names):
+            ev = wl == trace.frame["workload"].cat.categories.get_loc(n)
+            splits.append((n, ev, ~ev))
+    else:
+        toks = np.unique(tok)
+        mid = toks[len(toks) // 2] if len(toks) > 1 else toks[0] + 1
+        splits.append((f"{names[0]}[2nd half]", tok >= mid, tok < mid))
+    rows = []
+    for name, ev, train in splits:
+        c_ev, c_tr = counts(ev), counts(train)
+        n_ev = max(int(ev.sum()), 1)
+        for s in sizes:
+            cov_in = float((c_ev * _hot_sets(c_ev, s)).sum() / n_ev)
+            cov_out = float((c_ev * _hot_sets(c_tr, s)).sum() / n_ev)
+            rows.append({"split": name, "slots_per_layer": s, "in_sample": cov_in, "out_of_sample": cov_out,
+                         "uniform": s / E, "lift": cov_out / (s / E)})
+    return pd.DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class TraceStats:
+    """The locality statistics of one phase of a trace (each a tidy DataFrame; see the functions)."""
+
+    phase: str
+    summary: pd.DataFrame      # one row per workload: tokens, lookups, distinct entries, overlap, mean gini
+    gini: pd.DataFrame         # frequency_gini
+    overlap: pd.DataFrame      # consecutive_overlap
+    reuse: pd.DataFrame        # reuse_histogram
+    static: pd.DataFrame       # static_coverage
+
+    def format(self) -> str:
+        """A plain-text report of every table."""
+        fmt = {"float_format": lambda x: f"{x:.3f}", "index": False}
+        parts = [f"phase: {self.phase}", "", "workloads", self.summary.to_string(**fmt), "",
+                 "expert frequency per layer (gini 0 = uniform)", self.gini.to_string(**fmt), "",
+                 "reuse distance (tokens since the same layer's expert was last selected)", self.reuse.to_string(**fmt), "",
+                 "static hot set: coverage learned in sample vs out of sample (lift = out / uniform)",
+                 self.static.to_string(**fmt)]
+        return "\n".join(parts)
+
+
+def trace_stats(trace: Trace, *, phase: str = "decode", hot_sizes: Sequence[int] | None = None) -> TraceStats:
+    """All locality statistics of ``trace`` restricted to ``phase`` (``prefill``, ``decode``, ``all``).
+
+    Raises :class:`ValueError` for an unknown phase or a phase with no rows.
+    """
+    t = trace.select(phase)
+    if len(t.frame) == 0:
+        raise ValueError(f"the trace has no {phase} rows; accepted phases here: "
+                         f"{sorted(set(map(str, trace.frame['phase'].unique())))} or all")
+    g = frequency_gini(t)
+    ov = consecutive_overlap(t)
+    mo = mean_overlap(t)
+    f = t.frame
+    summary = f.groupby("workload", observed=True, sort=False).agg(
+        tokens=("token", "nunique"), lookups=("expert", "size")).reset_index()
+    summary["workload"] = summary["workload"].astype(str)
+    summary["entries"] = [int(len(np.unique(g_["layer"].to_numpy().astype(np.int64) * t.meta.n_expert + g_["expert"].to_numpy())))
+                          for _, g_ in f.groupby("workload", observed=True, sort=False)]
+    summary["overlap"] = summary["workload"].map(mo)
+    per_wl_gini = []
+    for _, g_ in f.groupby("workload", observed=True, sort=False):
+        sub = replace(t, frame=g_)
+        per_wl_gini.append(float(frequency_gini(sub)["gini"].mean()))
+    summary["gini"] = per_wl_gini
+    return TraceStats(phase, summary, g, ov, reuse_histogram(t), static_coverage(t, hot_sizes))
