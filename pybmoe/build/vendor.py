@@ -76,16 +76,51 @@ class Upstream:
         return self.filename[: -len(".tar.gz")]
 
 
-def project_root() -> Path:
-    """The pybmoe source checkout (holds ``vendor/upstream.toml``).
+#: The folder this package sits in (``pybmoe/build/../..``): a checkout when pybmoe is imported
+#: from one, ``site-packages`` when it is installed.
+PACKAGE_PARENT = Path(__file__).resolve().parent.parent.parent
 
-    ``PYBMOE_ROOT`` overrides it; otherwise the parent of this package is used.
+
+def _is_root(path: Path) -> bool:
+    return (path / "vendor" / "upstream.toml").is_file()
+
+
+def find_project_root(cwd: Path | None = None) -> Path | None:
+    """The pybmoe checkout to work on (the folder that holds ``vendor/upstream.toml``), or None.
+
+    Looked for, in order:
+
+    1. in the working directory ``cwd`` (default :func:`os.getcwd`) and every folder above it;
+    2. in ``$PYBMOE_ROOT``;
+    3. in the folder this package sits in (:data:`PACKAGE_PARENT`: the checkout itself when pybmoe
+       is imported from one).
     """
+    here = Path(cwd if cwd is not None else os.getcwd()).resolve()
+    for d in (here, *here.parents):
+        if _is_root(d):
+            return d
     env = os.environ.get("PYBMOE_ROOT")
-    root = Path(env) if env else Path(__file__).resolve().parent.parent.parent
-    if not (root / "vendor" / "upstream.toml").is_file():
-        raise VendorError(f"no vendor/upstream.toml under {root}: run from a pybmoe checkout "
-                          "or set PYBMOE_ROOT")
+    if env and _is_root(Path(env)):
+        return Path(env).resolve()
+    if _is_root(PACKAGE_PARENT):
+        return PACKAGE_PARENT
+    return None
+
+
+def project_root(cwd: Path | None = None) -> Path:
+    """The pybmoe source checkout (holds ``vendor/upstream.toml``); see :func:`find_project_root`
+    for the order it is looked for in.
+
+    Raises:
+        VendorError: no checkout in any of the three places (the message names each).
+    """
+    root = find_project_root(cwd)
+    if root is None:
+        here = Path(cwd if cwd is not None else os.getcwd()).resolve()
+        env = os.environ.get("PYBMOE_ROOT")
+        raise VendorError(f"no vendor/upstream.toml in {here} or any folder above it, nor in "
+                          f"PYBMOE_ROOT ({env if env else 'not set'}), nor in {PACKAGE_PARENT} (where pybmoe "
+                          "is installed): run from a pybmoe checkout or set PYBMOE_ROOT")
     return root
 
 

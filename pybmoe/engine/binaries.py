@@ -6,7 +6,9 @@ Binaries are looked up, in order, in:
 2. ``pybmoe/bin/`` of the package this module belongs to (what ``pip install .`` ships);
 3. ``pybmoe/bin/`` in the environment's site-packages (when this module is imported from a
    source checkout but pybmoe is installed);
-4. ``build/dev/bin/`` of a source checkout (a developer build made with cmake).
+4. ``build/dev/bin/`` of the source checkout (a developer build made with cmake): the checkout
+   :func:`pybmoe.build.vendor.project_root` finds (working directory first), else the one this
+   package sits in.
 
 Holds no process lifecycle (:mod:`.servers`) and no log parsing (:mod:`.cachelog`).
 """
@@ -15,6 +17,8 @@ from __future__ import annotations
 import os
 import sysconfig
 from pathlib import Path
+
+from ..build import vendor
 
 BINARIES = ("llama-server", "llama-cli", "llama-bench", "test-backend-ops", "ggml-rpc-server", "pybmoe-logits",
             "pybmoe-test-skip")
@@ -36,7 +40,16 @@ def bin_dirs() -> list[Path]:
     site = Path(sysconfig.get_paths()["platlib"]) / "pybmoe" / "bin"
     if site not in dirs:
         dirs.append(site)
-    dirs.append(PACKAGE_DIR.parent / "build" / "dev" / "bin")
+    roots = []
+    try:
+        roots.append(vendor.project_root())
+    except vendor.VendorError:
+        pass
+    roots.append(PACKAGE_DIR.parent)
+    for root in roots:
+        dev = root / "build" / "dev" / "bin"
+        if dev not in dirs:
+            dirs.append(dev)
     return dirs
 
 
