@@ -1,4 +1,4 @@
-"""The deepseek2 architecture of pybmoe.models (pybmoe/archs/deepseek2.py): MLA attention, a leading
+"""The deepseek2 architecture of pybmoe.models (pybmoe/models/archs/deepseek2.py): MLA attention, a leading
 dense layer, a shared expert and DeepSeek-V3 routing (sigmoid, exp_probs_b bias, grouped top-k).
 
 A small shape is written, read back against the tensor plan, and run in llama.cpp: plain CPU, with

@@ -1,4 +1,4 @@
-"""The gemma4 architecture of `pybmoe make-model` (pybmoe/archs/gemma4.py): the tensors written are
+"""The gemma4 architecture of `pybmoe make-model` (pybmoe/models/archs/gemma4.py): the tensors written are
 the plan, the per-expert down scales hold 1 + expert_id, and stock llama.cpp loads the file,
 applies those scales and generates finite logits, alone and split with the experts on the host.
 """

@@ -1,4 +1,4 @@
-"""The gpt-oss architecture of `pybmoe make-model` (pybmoe/archs/gpt_oss.py): the tensors written are
+"""The gpt-oss architecture of `pybmoe make-model` (pybmoe/models/archs/gpt_oss.py): the tensors written are
 the plan, the per-expert biases hold their distinctive values, and stock llama.cpp loads the file,
 applies those biases and generates finite logits, alone and split with the experts on the host.
 """

@@ -13,7 +13,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from pybmoe import engine, sim, trace
+from pybmoe import engine
+from pybmoe.routing import sim, trace
 
 
 @pytest.fixture(scope="module")
