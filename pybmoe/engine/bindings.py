@@ -2,7 +2,7 @@
 and the expert cache.
 
 The C functions live in the patched ``libllama`` that ``llama_cpp`` loads (declared in
-``ggml-ext/llama-moe-cache.h``, a staging header: the public param structs, and so the
+``ggml-ext/llama-moe.h``, the engine's exported C API: the public param structs, and so the
 ``llama_cpp`` ABI, are unchanged). ``tests/engine/test_bindings.py`` checks the ctypes layout of
 :class:`MoeCacheStatsC` against the C compiler's ``sizeof``/``offsetof``.
 
@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Sequence
 
 LLAMA_MOE_CACHE_AUTO = -1
-LLAMA_MOE_CACHE_ERR_NO_ROOM = -3  # llama-moe-cache.h: fixed slots do not fit a device
+LLAMA_MOE_CACHE_ERR_NO_ROOM = -3  # llama-moe.h: fixed slots do not fit a device
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # upstream's LLM_FFN_EXPS_REGEX (--cpu-moe)
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
 
 
 class MoeCacheStatsC(ctypes.Structure):
-    """Mirror of ``struct llama_moe_cache_stats`` (ggml-ext/llama-moe-cache.h)."""
+    """Mirror of ``struct llama_moe_cache_stats`` (ggml-ext/llama-moe.h)."""
 
     _fields_ = [
         ("hits", ctypes.c_uint64),

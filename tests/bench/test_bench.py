@@ -85,7 +85,7 @@ def test_floor_marks_overflow(model_q8, tmp_path):
 
 
 def test_overflow_reason_lines():
-    # the engine's own lines (ggml-ext/llama-moe-cache.cpp, ggml-cuda.cu) mark a spill ...
+    # the engine's own lines (ggml-ext/llama-moe-vram-init.cpp, ggml-cuda.cu) mark a spill ...
     assert "cannot allocate" in bench.overflow_reason(
         "llama_moe_cache_init_impl: moe-cache: cannot allocate 96 slots per layer in CUDA0; the cache is OFF\n")
     assert "cudaMalloc failed" in bench.overflow_reason(
