@@ -21,7 +21,7 @@ uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc) {
         return 0;
     }
     return LLAMA_MOE_MAX_CLONE * (uint32_t) (mc->vram.enabled() ? mc->vram.layers.size() : 0) +
-            mc->trace.n_graph_nodes() + mc->replay.n_graph_nodes();
+            mc->stream.n_graph_nodes() + mc->trace.n_graph_nodes() + mc->replay.n_graph_nodes();
 }
 
 ggml_tensor * llama_moe_route_replay_ids(const llama_moe_cache * mc, ggml_context * ctx, ggml_tensor * selected,
@@ -30,6 +30,14 @@ ggml_tensor * llama_moe_route_replay_ids(const llama_moe_cache * mc, ggml_contex
         return selected;
     }
     return mc->replay.graph_ids(mc->log, ctx, selected, il, n_ubatch);
+}
+
+ggml_tensor * llama_moe_stream_ids(const llama_moe_cache * mc, ggml_context * ctx, ggml_tensor * selected, int il) {
+    if (mc == nullptr || !mc->stream.on()) {
+        return selected;
+    }
+    // note: the op keeps a pointer to its layer's data; the owner outlives every graph
+    return const_cast<llama_moe_stream &>(mc->stream).graph_ids(mc, ctx, selected, il);
 }
 
 const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d) {

@@ -83,6 +83,10 @@ struct llama_moe_cache_ffn_desc {
 ggml_tensor * llama_moe_route_replay_ids(const llama_moe_cache * mc, ggml_context * ctx, ggml_tensor * selected,
                                          int il, int64_t n_ubatch);
 
+// --moe-stream-cache-mb: the ids this layer's MUL_MAT_IDs use: `selected` through the op that reads
+// the step's experts from the GGUF into RAM first, or `selected` itself when the layer is not streamed
+ggml_tensor * llama_moe_stream_ids(const llama_moe_cache * mc, ggml_context * ctx, ggml_tensor * selected, int il);
+
 // the cache layer that serves this FFN, or nullptr (the stock graph is built; the reason is logged once);
 // also adds the trace node when tracing
 const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d);

@@ -56,11 +56,16 @@ void llama_moe_cache_free(llama_moe_cache * mc) {
 
 void llama_moe_cache_on_context_free(const llama_model & model) {
     const llama_moe_cache * mc = model.moe_cache;
-    if (mc == nullptr || !mc->vram.enabled()) {
+    if (mc == nullptr) {
         return;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
-    mc->vram.print_summary();
+    if (mc->vram.enabled()) {
+        mc->vram.print_summary();
+    }
+    if (mc->stream.on()) {
+        mc->stream.print_summary();
+    }
 }
 
 //
@@ -103,10 +108,19 @@ void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_
         vram.account();
     }
     if (mc->trace.on()) {
+        const auto & stream = mc->stream;
         mc->trace.rows(*ubatch, [&vram](int il) -> const llama_moe_residency_layer * {
             const llama_moe_cache_layer * l = vram.enabled() ? vram.layer(il) : nullptr;
             return l && vram.res.layers[l->ir].served_now ? &vram.res.layers[l->ir] : nullptr;
+        }, [&stream](int il) -> const std::vector<int8_t> * {
+            const int li = il < (int) stream.layer_of_il.size() ? stream.layer_of_il[il] : -1;
+            return li >= 0 ? &stream.layers[li].hits_now : nullptr;
         });
+        if (mc->stream.on()) {
+            for (auto & l : mc->stream.layers) {
+                l.hits_now.clear(); // consumed: a layer the next ubatch does not stream writes -1
+            }
+        }
     }
     if (!vram.enabled()) {
         return;

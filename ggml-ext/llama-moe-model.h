@@ -1,7 +1,7 @@
 #pragma once
 
 // pybmoe: the model's one owner of everything pybmoe adds: where expert bytes come from, the VRAM
-// tier, the routing trace and route replay, and the once-per-model log.
+// tier, the stream tier, the routing trace and route replay, and the once-per-model log.
 //
 // Holds: the owner (llama_model::moe_cache points at it; the MTP draft context shares it with the
 // main context) and what every concern needs to know of the model's layers.
@@ -11,6 +11,7 @@
 #include "llama-moe-hooks.h"
 #include "llama-moe-replay.h"
 #include "llama-moe-source.h"
+#include "llama-moe-stream.h"
 #include "llama-moe-trace.h"
 #include "llama-moe-vram.h"
 
@@ -47,6 +48,7 @@ struct llama_moe_cache {
     int32_t max_batch = 1; // the largest ubatch the VRAM tier serves, and the trace's default
 
     llama_moe_vram   vram;
+    llama_moe_stream stream;
     llama_moe_trace  trace;
     llama_moe_replay replay;
     llama_moe_log    log;
@@ -55,6 +57,6 @@ struct llama_moe_cache {
     mutable std::mutex   mutex;        // the step against the stats getters and the resize
 
     bool active() const {
-        return vram.enabled() || trace.on() || replay.on();
+        return vram.enabled() || stream.on() || trace.on() || replay.on();
     }
 };

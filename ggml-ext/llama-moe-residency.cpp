@@ -167,3 +167,91 @@ void llama_moe_residency::resize(int32_t n_slots) {
         l.misses_now.clear();
     }
 }
+
+//
+// llama_moe_lru
+//
+
+void llama_moe_lru::init(int32_t n_layer_, int32_t n_expert_, int64_t capacity_) {
+    LLAMA_MOE_RES_ASSERT(n_layer_ > 0 && n_expert_ > 0 && capacity_ >= 0);
+    n_layer    = n_layer_;
+    n_expert   = n_expert_;
+    capacity   = capacity_;
+    n_resident = 0;
+    hits = misses = evictions = 0;
+    const size_t n = (size_t) n_layer * n_expert;
+    prev.assign(n, -1);
+    next.assign(n, -1);
+    resident.assign(n, 0);
+    need.assign(n, 0);
+    head = tail = -1;
+    gen  = 0;
+}
+
+void llama_moe_lru::unlink(int32_t e) {
+    if (prev[e] >= 0) { next[prev[e]] = next[e]; } else { head = next[e]; }
+    if (next[e] >= 0) { prev[next[e]] = prev[e]; } else { tail = prev[e]; }
+    prev[e] = next[e] = -1;
+}
+
+void llama_moe_lru::push_front(int32_t e) {
+    prev[e] = -1;
+    next[e] = head;
+    if (head >= 0) { prev[head] = e; } else { tail = e; }
+    head = e;
+}
+
+void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vector<int8_t> & hit,
+                         std::vector<int32_t> & admitted, std::vector<int32_t> & evicted) {
+    LLAMA_MOE_RES_ASSERT(layer >= 0 && layer < n_layer);
+    gen++;
+    const int32_t base = layer * n_expert;
+    for (int64_t i = 0; i < n; ++i) {
+        LLAMA_MOE_RES_ASSERT(ids[i] >= 0 && ids[i] < n_expert);
+        need[base + ids[i]] = gen; // never evicted by this step
+    }
+    hit.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+        const int32_t e = base + ids[i];
+        if (resident[e]) {
+            hits++;
+            hit[i] = 1;
+            unlink(e);
+            push_front(e);
+            continue;
+        }
+        misses++;
+        hit[i] = 0;
+        if (n_resident >= capacity) {
+            int32_t v = tail;
+            while (v >= 0 && need[v] == gen) {
+                v = prev[v];
+            }
+            // note: a capacity of at least the largest step always leaves a victim (the tier refuses
+            // smaller budgets at load)
+            LLAMA_MOE_RES_ASSERT(v >= 0 && "the step needs more entries than the capacity holds");
+            unlink(v);
+            resident[v] = 0;
+            n_resident--;
+            evictions++;
+            evicted.push_back(v);
+        }
+        resident[e] = 1;
+        n_resident++;
+        push_front(e);
+        admitted.push_back(e);
+    }
+}
+
+void llama_moe_lru::resize(int64_t capacity_, std::vector<int32_t> & evicted) {
+    LLAMA_MOE_RES_ASSERT(capacity_ >= 0);
+    capacity = capacity_;
+    while (n_resident > capacity) {
+        const int32_t v = tail;
+        unlink(v);
+        resident[v] = 0;
+        n_resident--;
+        evictions++;
+        evicted.push_back(v);
+    }
+}

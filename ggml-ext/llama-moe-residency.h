@@ -1,6 +1,6 @@
 #pragma once
 
-// pybmoe: the residency bookkeeping of one expert tier: which expert of which layer sits in which
+// pybmoe: the residency bookkeeping of the expert tiers: which expert of which layer sits in which
 // slot, the policy that admits and evicts, the insert cap, and when an entry becomes visible.
 //
 // Holds: flat per-layer arrays (in the manner of llama-kv-cells.h) and the step protocol
@@ -9,7 +9,11 @@
 // Must not hold: ggml, I/O, threads or logging. The tier that owns it moves the bytes (between
 // schedule and settle) and publishes the tables; this file only decides.
 //
-// The policy today is per-layer LRU with an upload lag (docs/expert-cache.md, "The policy,
+// Two policies live here:
+//   llama_moe_residency  per-layer LRU with an upload lag (the VRAM tier)
+//   llama_moe_lru        one LRU over every (layer, expert) entry, no lag (the stream tier)
+//
+// The per-layer policy (docs/expert-cache.md, "The policy,
 // exactly"): a miss at step s is scheduled after step s, its bytes move while step s+1 runs, and it
 // is resident from step s+2, evicting argmin (last use, expert id) among the residents that step
 // s+1 did not look up (or dropped when every resident was looked up). pybmoe.routing.sim replays
@@ -101,4 +105,44 @@ struct llama_moe_residency {
     int32_t lru_victim(int32_t il, uint64_t used_before) const;
 
     void evict(int32_t il, int32_t slot);
+};
+
+// One LRU over the (layer, expert) entries of all streamed layers (the stream tier, the RAM expert
+// cache of the BigMoeOnEdge seed). A layer step's experts are admitted together, taken in router
+// rank order: a hit becomes the most recent entry; a miss evicts the least recently used entry that
+// the step does not need, then enters as the most recent. There is no lag: the tier reads an
+// admitted entry's bytes before the step's computation runs. pybmoe.routing.sim replays the same
+// rule ("global-lru"); the capacity must hold the largest step (llama_moe_lru::step asserts it).
+struct llama_moe_lru {
+    int32_t  n_layer    = 0;
+    int32_t  n_expert   = 0;
+    int64_t  capacity   = 0; // entries
+    int64_t  n_resident = 0;
+    uint64_t hits       = 0;
+    uint64_t misses     = 0;
+    uint64_t evictions  = 0;
+
+    // entry e = layer * n_expert + expert
+    std::vector<int32_t>  prev;     // [n_entries] toward the most recent; -1 at the head
+    std::vector<int32_t>  next;     // [n_entries] toward the least recent; -1 at the tail
+    std::vector<uint8_t>  resident; // [n_entries]
+    std::vector<uint64_t> need;     // [n_entries] the last step that needed the entry
+    int32_t  head = -1;             // most recent
+    int32_t  tail = -1;             // least recent
+    uint64_t gen  = 0;              // steps so far
+
+    void init(int32_t n_layer, int32_t n_expert, int64_t capacity);
+
+    // one layer step: ids[0 .. n) in router order (token-major, rank-minor). hit[i] is 1 for a hit
+    // and 0 for a miss; `admitted` gets the entries to read, `evicted` the entries dropped (in the
+    // order they happen; an evicted entry's memory is free before any admitted entry is read)
+    void step(int32_t layer, const int32_t * ids, int64_t n, std::vector<int8_t> & hit,
+              std::vector<int32_t> & admitted, std::vector<int32_t> & evicted);
+
+    // a new capacity; a shrink evicts from the least recent end at once
+    void resize(int64_t capacity, std::vector<int32_t> & evicted);
+
+private:
+    void unlink(int32_t e);
+    void push_front(int32_t e);
 };

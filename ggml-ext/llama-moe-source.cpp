@@ -103,3 +103,218 @@ void llama_moe_uploader::copy(const llama_moe_copy & c) {
     }
     ggml_backend_tensor_set(c.dst, staging.data(), c.dst_offs, c.nbytes);
 }
+
+//
+// llama_moe_reader
+//
+
+#if !defined(_WIN32)
+#include <fcntl.h>
+#include <unistd.h>
+#endif
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+struct llama_moe_reader::lane {
+    uint8_t * bounce    = nullptr;
+    size_t    bounce_sz = 0;
+
+    ~lane() {
+        free(bounce);
+    }
+};
+
+llama_moe_reader::~llama_moe_reader() {
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        stop = true;
+    }
+    cv_work.notify_all();
+    for (auto & t : threads) {
+        t.join();
+    }
+    for (lane * ln : lanes) {
+        delete ln;
+    }
+#if !defined(_WIN32)
+    for (int fd : fd_direct)   { if (fd >= 0) { close(fd); } }
+    for (int fd : fd_buffered) { if (fd >= 0) { close(fd); } }
+#endif
+}
+
+bool llama_moe_reader::open(const std::vector<std::string> & paths_in, int32_t n_lanes_in, bool want_direct, std::string & err) {
+#if defined(_WIN32)
+    err = "the stream tier reads with pread, which this build does not have (Windows)";
+    return false;
+#else
+    paths   = paths_in;
+    n_lanes = std::max(1, n_lanes_in);
+    direct  = want_direct;
+    const char * no_direct = getenv("PYBMOE_MOE_STREAM_NO_ODIRECT");
+    for (const auto & p : paths) {
+        const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            err = p + ": " + strerror(errno);
+            return false;
+        }
+        fd_buffered.push_back(fd);
+        int fdd = -1;
+        if (direct) {
+            if (no_direct && atoi(no_direct) != 0) {
+                errno = EINVAL; // injected: as a file system without O_DIRECT answers
+            } else {
+                fdd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+            }
+            if (fdd < 0) {
+                fallback_reason = p + " refused O_DIRECT (" + strerror(errno) + ")";
+                direct = false;
+            }
+        }
+        fd_direct.push_back(fdd);
+    }
+    // a direct read of one aligned block must equal a buffered read (some FUSE mounts accept O_DIRECT
+    // and return other bytes)
+    for (size_t i = 0; direct && i < paths.size(); ++i) {
+        const off_t size = lseek(fd_buffered[i], 0, SEEK_END);
+        const off_t at   = (off_t) ((size / 2) & ~(off_t) (align - 1));
+        void * a = nullptr;
+        std::vector<uint8_t> b(align);
+        if (posix_memalign(&a, align, align) != 0) {
+            err = "out of memory";
+            return false;
+        }
+        const ssize_t nd = pread(fd_direct[i], a, align, at);
+        const ssize_t nb = pread(fd_buffered[i], b.data(), align, at);
+        if (nd < 0 || nd != nb || memcmp(a, b.data(), (size_t) std::max<ssize_t>(nb, 0)) != 0) {
+            fallback_reason = paths[i] + (nd < 0 ? " refused a direct read (" + std::string(strerror(errno)) + ")"
+                                                 : " returned other bytes through O_DIRECT than buffered");
+            direct = false;
+        }
+        free(a);
+    }
+    if (!direct) {
+        for (int & fd : fd_direct) {
+            if (fd >= 0) { close(fd); fd = -1; }
+        }
+    }
+    for (int32_t i = 0; i < n_lanes; ++i) {
+        lanes.push_back(new lane());
+    }
+    for (int32_t i = 0; i < n_lanes; ++i) {
+        threads.emplace_back([this, i] { lane_main(i); });
+    }
+    return true;
+#endif
+}
+
+bool llama_moe_reader::read_one(lane & ln, const llama_moe_read & job, std::string & err) {
+#if defined(_WIN32)
+    GGML_UNUSED(ln); GGML_UNUSED(job); GGML_UNUSED(err);
+    return false;
+#else
+    if (!direct) {
+        size_t done = 0;
+        while (done < job.nbytes) {
+            const ssize_t n = pread(fd_buffered[job.file], (uint8_t *) job.dst + done, job.nbytes - done, (off_t) (job.offs + done));
+            if (n <= 0) {
+                err = format("moe-stream: short read: %zu of %zu bytes at offset %zu of %s (%s)", done, job.nbytes,
+                        job.offs, paths[job.file].c_str(), n < 0 ? strerror(errno) : "end of file: truncated or changed on disk?");
+                return false;
+            }
+            done += (size_t) n;
+        }
+        bytes_read += job.nbytes;
+        return true;
+    }
+    // the aligned window around the range, read in chunks of at most 8 MiB into the lane's bounce buffer
+    constexpr size_t chunk = 8u << 20;
+    size_t pos = job.offs;                 // next byte of the range to copy
+    const size_t end = job.offs + job.nbytes;
+    while (pos < end) {
+        const size_t w0 = pos & ~(align - 1);
+        const size_t w1 = std::min((end + align - 1) & ~(align - 1), w0 + chunk);
+        const size_t want = w1 - w0;
+        if (ln.bounce_sz < want) {
+            free(ln.bounce);
+            ln.bounce = nullptr;
+            ln.bounce_sz = 0;
+            void * p = nullptr;
+            if (posix_memalign(&p, align, want) != 0) {
+                err = "moe-stream: out of memory for a read buffer";
+                return false;
+            }
+            ln.bounce = (uint8_t *) p;
+            ln.bounce_sz = want;
+        }
+        size_t got = 0;
+        while (got < want) {
+            const ssize_t n = pread(fd_direct[job.file], ln.bounce + got, want - got, (off_t) (w0 + got));
+            if (n < 0) {
+                err = format("moe-stream: read failed at offset %zu of %s (%s)", w0 + got, paths[job.file].c_str(), strerror(errno));
+                return false;
+            }
+            if (n == 0) {
+                break; // end of file: the window may run past it, the range may not
+            }
+            got += (size_t) n;
+        }
+        const size_t take = std::min(end, w1) - pos;
+        if (got < (pos - w0) + take) {
+            err = format("moe-stream: short read: %zu of %zu bytes at offset %zu of %s (end of file: truncated or "
+                    "changed on disk?)", got > pos - w0 ? got - (pos - w0) : 0, take, pos, paths[job.file].c_str());
+            return false;
+        }
+        memcpy((uint8_t *) job.dst + (pos - job.offs), ln.bounce + (pos - w0), take);
+        bytes_read += got;
+        pos += take;
+    }
+    return true;
+#endif
+}
+
+void llama_moe_reader::lane_main(int32_t il) {
+    uint64_t seen = 0;
+    for (;;) {
+        std::unique_lock<std::mutex> lock(mutex);
+        cv_work.wait(lock, [&] { return stop || (batch != nullptr && batch_id != seen); });
+        if (stop) {
+            return;
+        }
+        seen = batch_id;
+        n_working++;
+        while (next_job < batch->size()) {
+            const llama_moe_read job = (*batch)[next_job++];
+            lock.unlock();
+            std::string err;
+            const bool ok = read_one(*lanes[il], job, err);
+            lock.lock();
+            if (!ok && batch_err.empty()) {
+                batch_err = err;
+            }
+        }
+        if (--n_working == 0) {
+            cv_done.notify_all();
+        }
+    }
+}
+
+bool llama_moe_reader::read(const std::vector<llama_moe_read> & jobs, std::string & err) {
+    if (jobs.empty()) {
+        return true;
+    }
+    std::unique_lock<std::mutex> lock(mutex);
+    batch     = &jobs;
+    next_job  = 0;
+    batch_err.clear();
+    batch_id++;
+    n_working = 0;
+    cv_work.notify_all();
+    cv_done.wait(lock, [&] { return next_job >= jobs.size() && n_working == 0; });
+    batch = nullptr;
+    if (!batch_err.empty()) {
+        err = batch_err;
+        return false;
+    }
+    return true;
+}

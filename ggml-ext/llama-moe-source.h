@@ -2,12 +2,14 @@
 
 // pybmoe: where an expert's bytes come from, and the thread that moves them.
 //
-// Holds: the expert tensors' places in the GGUF file(s) (recorded at load), the open files, and the
-// uploader: a worker thread that reads expert slices from a file and copies them into a tensor.
+// Holds: the expert tensors' places in the GGUF file(s) (recorded at load), the uploader (a worker
+// thread that reads expert slices from a file and copies them into a tensor, for the VRAM tier), and
+// the reader (read lanes with O_DIRECT, for the stream tier).
 // Must not hold: any policy (which expert, which slot, when: llama-moe-residency.h) or graph code.
 
 #include "ggml-backend.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -79,4 +81,58 @@ private:
     std::deque<llama_moe_copy> queue;
     int32_t q_busy = 0;
     bool    q_stop = false;
+};
+
+// one range to read: nbytes at offs of file `file` into dst
+struct llama_moe_read {
+    uint16_t file;
+    size_t   offs;
+    size_t   nbytes;
+    void *   dst;
+};
+
+// Reads ranges of the source files into memory on n_lanes threads at once. With O_DIRECT (the page
+// cache stays out of it) each lane reads the aligned window around a range into its own aligned
+// bounce buffer and copies the range out: GGUF tensor offsets are only 32-byte aligned. At open a
+// direct read of one block of each file is compared with a buffered read; a file system that
+// refuses O_DIRECT, or returns other bytes through it, gets buffered reads (fallback_reason says
+// why). PYBMOE_MOE_STREAM_NO_ODIRECT=1 in the environment makes the open refuse O_DIRECT (the
+// fallback's test: this kernel accepts O_DIRECT even on tmpfs).
+struct llama_moe_reader {
+    ~llama_moe_reader();
+
+    // opens every file; false (and err set, naming the file) when one cannot be opened for reading
+    bool open(const std::vector<std::string> & paths, int32_t n_lanes, bool want_direct, std::string & err);
+
+    // reads every range, the lanes in parallel; false (and err set, naming the file and the offset)
+    // on a failed or short read (a file truncated or changed on disk)
+    bool read(const std::vector<llama_moe_read> & jobs, std::string & err);
+
+    bool direct = false;          // O_DIRECT in use
+    std::string fallback_reason;  // why not, when it was asked for
+    int32_t n_lanes = 0;
+
+    std::atomic<uint64_t> bytes_read { 0 }; // bytes the device delivered (direct: whole aligned windows)
+
+private:
+    struct lane;
+    void lane_main(int32_t il);
+    bool read_one(lane & ln, const llama_moe_read & job, std::string & err);
+
+    std::vector<std::string> paths;
+    std::vector<int> fd_direct;   // -1 when not direct
+    std::vector<int> fd_buffered;
+    size_t align = 4096;
+
+    std::vector<lane *>      lanes;
+    std::vector<std::thread> threads;
+    std::mutex               mutex;
+    std::condition_variable  cv_work;
+    std::condition_variable  cv_done;
+    const std::vector<llama_moe_read> * batch = nullptr;
+    size_t   next_job  = 0;
+    int32_t  n_working = 0;
+    uint64_t batch_id  = 0;
+    bool     stop      = false;
+    std::string batch_err;
 };

@@ -32,7 +32,7 @@ int32_t llama_moe_trace::open(const llama_model & model, const char * path, int3
     }
     const int32_t n_used = (int32_t) model.hparams.n_expert_used();
     fprintf(f, "# pybmoe-trace v1 %s\n", header.c_str());
-    fprintf(f, "workload,phase,ubatch,token,layer,rank,expert,hit\n");
+    fprintf(f, "workload,phase,ubatch,token,layer,rank,expert,hit%s\n", ram_hit ? ",ram_hit" : "");
 
     ggml_init_params params = { ils.size() * ggml_tensor_overhead() + 1, nullptr, true };
     ctx.reset(ggml_init(params));
@@ -72,7 +72,8 @@ void llama_moe_trace::build(const llama_moe_log & log, ggml_context * ctx0, ggml
     ggml_build_forward_expand(gf, ggml_cpy(ctx0, selected, ggml_view_1d(ctx0, t.obs, n, 0)));
 }
 
-void llama_moe_trace::rows(const llama_ubatch & ub, const std::function<const llama_moe_residency_layer * (int il)> & served) {
+void llama_moe_trace::rows(const llama_ubatch & ub, const std::function<const llama_moe_residency_layer * (int il)> & served,
+                           const std::function<const std::vector<int8_t> * (int il)> & streamed) {
     const bool decode = ub.n_tokens == 1;
     std::string out;
     for (auto & t : layers) {
@@ -88,6 +89,8 @@ void llama_moe_trace::rows(const llama_ubatch & ub, const std::function<const ll
         const int64_t n_rows = n_ids / t.n_used;
         const llama_moe_residency_layer * cl = served(t.il);
         cl = cl && (int64_t) cl->hits_now.size() == n_ids ? cl : nullptr;
+        const std::vector<int8_t> * sl = ram_hit ? streamed(t.il) : nullptr;
+        sl = sl && (int64_t) sl->size() == n_ids ? sl : nullptr;
         // note: a layer that computes fewer rows than the ubatch has (the last layer computes only the
         // outputs) maps its rows onto the tokens flagged as outputs, in order
         int64_t tok = -1;
@@ -100,9 +103,13 @@ void llama_moe_trace::rows(const llama_ubatch & ub, const std::function<const ll
             for (int32_t k = 0; k < t.n_used; ++k) {
                 const int64_t i = r * t.n_used + k;
                 char line[128];
-                snprintf(line, sizeof(line), "engine,%s,%llu,%llu,%d,%d,%d,%d\n", decode ? "decode" : "prefill",
+                int n = snprintf(line, sizeof(line), "engine,%s,%llu,%llu,%d,%d,%d,%d", decode ? "decode" : "prefill",
                         (unsigned long long) ubatch, (unsigned long long) (token + tok), t.il, k,
                         obs[i], cl ? (int) cl->hits_now[i] : -1);
+                if (ram_hit) {
+                    n += snprintf(line + n, sizeof(line) - n, ",%d", sl ? (int) (*sl)[i] : -1);
+                }
+                snprintf(line + n, sizeof(line) - n, "\n");
                 out += line;
             }
         }
@@ -171,8 +178,15 @@ int32_t llama_model_moe_trace_open(llama_model * model, const char * path, int32
         LLAMA_LOG_ERROR("%s: moe-trace: n_ubatch must be > 0, got %d\n", __func__, n_ubatch);
         return -1;
     }
-    const std::string header = format("n_layer=%d n_expert=%d n_expert_used=%d slots=%d inserts=%d max_batch=%d",
+    std::string header = format("n_layer=%d n_expert=%d n_expert_used=%d slots=%d inserts=%d max_batch=%d",
             (int) model->layers.size(), (int) model->hparams.n_expert, (int) model->hparams.n_expert_used(),
             mc->vram.n_slots, mc->vram.res.n_inserts, mc->max_batch);
+    if (mc->stream.on()) {
+        // the stream tier's budget, in the simulator's terms (budget_entries of global-lru)
+        header += format(" stream_budget_mb=%.4f stream_entries=%lld stream_entry_mb=%.6f",
+                mc->stream.budget_bytes / 1024.0 / 1024.0, (long long) mc->stream.lru.capacity,
+                mc->stream.entry_bytes / 1024.0 / 1024.0);
+        mc->trace.ram_hit = true;
+    }
     return mc->trace.open(*model, path, n_ubatch, header);
 }

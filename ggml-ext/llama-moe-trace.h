@@ -58,8 +58,12 @@ struct llama_moe_trace {
     void build(const llama_moe_log & log, ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * selected) const;
 
     // the rows of the ubatch just computed; served(il) is the VRAM tier's bookkeeping of layer il
-    // when it served that layer (its hits_now give the hit column), else nullptr
-    void rows(const llama_ubatch & ub, const std::function<const llama_moe_residency_layer * (int il)> & served);
+    // when it served that layer (its hits_now give the hit column), else nullptr; streamed(il) the
+    // stream tier's hits of layer il's last step (the ram_hit column, when the stream tier is on)
+    void rows(const llama_ubatch & ub, const std::function<const llama_moe_residency_layer * (int il)> & served,
+              const std::function<const std::vector<int8_t> * (int il)> & streamed);
+
+    bool ram_hit = false; // the file has the ram_hit column
 
     uint32_t n_graph_nodes() const {
         return 4u * (uint32_t) layers.size();

@@ -123,6 +123,53 @@ LLAMA_API int32_t llama_model_moe_trace_open(struct llama_model * model, const c
 // Returns the number of replayed layers, or a negative value on error (logged).
 LLAMA_API int32_t llama_model_moe_route_replay_open(struct llama_model * model, const char * path, int32_t n_ubatch);
 
+
+//
+// the stream tier (--moe-stream-cache-mb): experts read from the GGUF into a RAM expert cache
+//
+
+struct llama_moe_stream_stats {
+    uint64_t hits;            // (layer, expert) lookups found resident in RAM
+    uint64_t misses;          // lookups whose expert was read from the file first
+    uint64_t read_bytes;      // bytes read into the cache
+    uint64_t resident_bytes;  // bytes of experts resident now
+    uint64_t budget_bytes;    // the budget now
+    uint64_t n_tokens;        // tokens the tier served
+    uint64_t io_wait_us;      // time the graph waited for reads
+    uint64_t major_faults;    // major page faults of the process since the tier started (getrusage)
+    int32_t  n_layers;        // streamed layers
+    int32_t  direct_io;       // 1: O_DIRECT reads, 0: buffered (the file system refused it)
+};
+
+#define LLAMA_MOE_STREAM_AUTO                (-1)   // budget_mib: size from available memory
+#define LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT   1536   // MiB auto leaves free (the BigMoeOnEdge seed's default)
+#define LLAMA_MOE_STREAM_IO_THREADS_DEFAULT  4      // read lanes
+#define LLAMA_MOE_STREAM_ERR_BUDGET          (-3)   // init: a budget under the mechanical minimum (a load error)
+
+// Turns the stream tier on: the experts of every host-resident MoE layer (all of them on a CPU-only
+// run) are no longer read through the memory map; each layer step's experts are read from the GGUF
+// into a RAM cache of budget_mib MiB (LLAMA_MOE_STREAM_AUTO: MemAvailable, or the cgroup's limit
+// minus its usage when smaller, minus floor_mib, capped by ceil_mib when > 0). The budget must hold
+// the largest set one layer step can need with ubatches of n_ubatch tokens (min(n_expert, top-k x
+// n_ubatch) experts of the widest layer), else LLAMA_MOE_STREAM_ERR_BUDGET with the arithmetic; a
+// budget above every expert's bytes is clamped (INFO). io_threads read lanes (1 .. 64). Call after
+// load, before creating contexts. Returns the streamed layers (0: inert, with an INFO line, on a
+// model without MoE layers), or a negative value (logged) on error.
+LLAMA_API int32_t llama_model_moe_stream_init(struct llama_model * model, int32_t budget_mib, int32_t floor_mib,
+                                              int32_t ceil_mib, int32_t io_threads, int32_t n_ubatch);
+
+// Sets the budget between generations (MiB, from the mechanical minimum up; above every expert's
+// bytes it is clamped). A shrink evicts the least recently used experts at once. Returns the new
+// budget in MiB, -1 for a bad value or no tier, -2 while a graph is being computed.
+LLAMA_API int32_t llama_model_moe_stream_set_budget_mib(struct llama_model * model, int32_t budget_mib);
+
+// Returns false when the tier is off.
+LLAMA_API bool llama_model_moe_stream_get_stats(const struct llama_model * model, struct llama_moe_stream_stats * out);
+
+// Per-layer lookups of the stream tier. Returns false when layer il is not streamed.
+LLAMA_API bool llama_model_moe_stream_get_layer_stats(const struct llama_model * model, int32_t il,
+                                                      uint64_t * hits, uint64_t * misses);
+
 #ifdef __cplusplus
 }
 #endif

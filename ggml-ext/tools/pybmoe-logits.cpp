@@ -14,6 +14,9 @@
 // --moe-resize-in-graph SLOTS calls it once from inside the first decode graph (an eval callback,
 // while the graph is being computed), which the cache must refuse, and prints
 // "moe-cache-resize-in-graph RC SLOTS_AFTER".
+// --moe-stream-resize-at STEP:MIB calls llama_model_moe_stream_set_budget_mib(MIB) after STEP decode
+// steps and prints "moe-stream-resize RC RESIDENT_BYTES".
+// With the stream tier on, stdout also gets "moe-stream-layer IL HITS MISSES" per streamed layer.
 // --abi (alone) prints sizeof and field offsets of struct llama_moe_cache_stats.
 
 #include "arg.h"
@@ -63,6 +66,7 @@ int main(int argc, char ** argv) {
     }
     std::string out_path;
     int resize_step = -1, resize_slots = 0;
+    int stream_resize_step = -1, stream_resize_mib = 0;
     resize_in_graph rig;
     std::vector<char *> args;
     for (int i = 0; i < argc; ++i) {
@@ -72,6 +76,13 @@ int main(int argc, char ** argv) {
         }
         if (strcmp(argv[i], "--moe-resize-in-graph") == 0 && i + 1 < argc) {
             rig.slots = atoi(argv[++i]);
+            continue;
+        }
+        if (strcmp(argv[i], "--moe-stream-resize-at") == 0 && i + 1 < argc) {
+            if (sscanf(argv[++i], "%d:%d", &stream_resize_step, &stream_resize_mib) != 2) {
+                fprintf(stderr, "pybmoe-logits: --moe-stream-resize-at expects STEP:MIB, got '%s'\n", argv[i]);
+                return 2;
+            }
             continue;
         }
         if (strcmp(argv[i], "--moe-resize-at") == 0 && i + 1 < argc) {
@@ -157,6 +168,12 @@ int main(int argc, char ** argv) {
         if (i == resize_step) {
             printf("moe-cache-resize %d\n", llama_model_moe_cache_set_slots(model, resize_slots));
         }
+        if (i == stream_resize_step) {
+            const int32_t rc = llama_model_moe_stream_set_budget_mib(model, stream_resize_mib);
+            llama_moe_stream_stats st = {};
+            llama_model_moe_stream_get_stats(model, &st);
+            printf("moe-stream-resize %d %llu\n", rc, (unsigned long long) st.resident_bytes);
+        }
         if (i + 1 < params.n_predict && llama_decode(ctx, llama_batch_get_one(&tok, 1)) != 0) {
             fprintf(stderr, "pybmoe-logits: decode failed at step %d\n", i);
             return 1;
@@ -169,6 +186,9 @@ int main(int argc, char ** argv) {
         uint64_t hits = 0, misses = 0;
         if (llama_model_moe_cache_get_layer_stats(model, il, &hits, &misses)) {
             printf("moe-cache-layer %d %llu %llu\n", il, (unsigned long long) hits, (unsigned long long) misses);
+        }
+        if (llama_model_moe_stream_get_layer_stats(model, il, &hits, &misses)) {
+            printf("moe-stream-layer %d %llu %llu\n", il, (unsigned long long) hits, (unsigned long long) misses);
         }
     }
     return 0;

@@ -20,12 +20,13 @@ Layer rule (``tests/test_layering.py``): the engine imports only ``pybmoe.models
 from __future__ import annotations
 
 from .binaries import BINARIES, EngineError, bin_dirs, find_binary
-from .cachelog import (CacheSummary, cache_record, parse_cache_metrics, parse_cache_preamble,
-                       parse_cache_summaries)
+from .cachelog import (CacheSummary, StreamSummary, cache_record, parse_cache_metrics, parse_cache_preamble,
+                       parse_cache_summaries, parse_stream_preamble, parse_stream_summaries, stream_record)
 from .flags import cache_args, host_experts_args
 from .logits import LogitsRun, run_logits
 from .servers import LlamaServer, RpcServer, free_port
 
 __all__ = ["BINARIES", "EngineError", "bin_dirs", "find_binary", "CacheSummary", "cache_record",
-           "parse_cache_metrics", "parse_cache_preamble", "parse_cache_summaries", "cache_args",
+           "parse_cache_metrics", "parse_cache_preamble", "parse_cache_summaries", "StreamSummary",
+           "parse_stream_preamble", "parse_stream_summaries", "stream_record", "cache_args",
            "host_experts_args", "LogitsRun", "run_logits", "LlamaServer", "RpcServer", "free_port"]

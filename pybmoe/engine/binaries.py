@@ -21,7 +21,7 @@ from pathlib import Path
 from ..build import vendor
 
 BINARIES = ("llama-server", "llama-cli", "llama-bench", "test-backend-ops", "ggml-rpc-server", "pybmoe-logits",
-            "pybmoe-test-skip")
+            "pybmoe-test-skip", "pybmoe-test-residency")
 
 #: The ``pybmoe`` package folder (``pybmoe/engine/..``).
 PACKAGE_DIR = Path(__file__).resolve().parent.parent

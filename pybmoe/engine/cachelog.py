@@ -1,6 +1,7 @@
-"""The expert cache's own lines, parsed: the ``moe-cache-preamble:`` line at load, the
+"""The expert tiers' own lines, parsed: the ``moe-cache-preamble:`` line at load, the
 ``moe-cache:`` summary when a context is freed, the cliff warning, and the ``moe_cache_*`` series
-of a ``llama-server --metrics`` page; :func:`cache_record` joins them into one tidy record.
+of a ``llama-server --metrics`` page; :func:`cache_record` joins them into one tidy record. The
+stream tier's ``moe-stream-preamble:`` and ``moe-stream:`` lines: :func:`stream_record`.
 
 Pure text parsing: no processes, no files.
 """
@@ -108,4 +109,69 @@ def cache_record(log: str, metrics: str | None = None) -> dict:
             b = m.get(f"{k}_bytes")
             rec[f"metrics_{k}_mib"] = b / 2**20 if b is not None else None
         rec["metrics_slots"] = sum(m["slots"].values()) if m.get("slots") else None
+    rec.update(stream_record(log, metrics))
+    return rec
+
+
+# --------------------------------------------------------------------------- the stream tier
+
+_STREAM_SUMMARY = re.compile(r"moe-stream: ([0-9.]+)% hit, resident ([0-9.]+) MiB, misses (\d+) \(read ([0-9.]+) MiB, "
+                             r"([0-9.]+) MiB/token\), io wait ([0-9.]+) s, major faults (\d+)")
+_STREAM_PREAMBLE = re.compile(r"moe-stream-preamble: (.*)$", re.M)
+_STREAM_CLIFF = re.compile(r"moe-stream: WARNING the budget of [0-9.]+ MiB is below the cache cycle")
+
+
+@dataclass(frozen=True)
+class StreamSummary:
+    """The ``moe-stream:`` line printed when a context is freed (counters since the tier started)."""
+
+    hit_pct: float        # hits / lookups, percent
+    resident_mib: float   # MiB of experts resident in the RAM cache
+    misses: int           # lookups that read their expert from the file
+    read_mib: float       # MiB read
+    read_mib_per_token: float
+    io_wait_s: float      # seconds the graph waited for reads
+    major_faults: int     # the process's major page faults since the tier started (getrusage)
+
+
+def parse_stream_summaries(log: str) -> list[StreamSummary]:
+    """Every ``moe-stream:`` summary line in a log, in order (one per freed context)."""
+    return [StreamSummary(float(a), float(b), int(c), float(d), float(e), float(f), int(g))
+            for a, b, c, d, e, f, g in _STREAM_SUMMARY.findall(log)]
+
+
+def parse_stream_preamble(log: str) -> dict | None:
+    """The ``moe-stream-preamble:`` line printed at load, as a dict (None when absent).
+
+    Keys: layers, n_expert, top_k, io_threads (counts), direct_io (1 O_DIRECT, 0 buffered),
+    budget_mb, cache_cycle_mb (every streamed layer's top-k experts), layer_demand_mb (one layer's
+    top-k experts), min_mb (the most one layer step needs at the ubatch), entry_mb (one expert of
+    one layer), all MiB.
+    """
+    m = _STREAM_PREAMBLE.search(log)
+    if not m:
+        return None
+    rec: dict = {}
+    for kv in m.group(1).split():
+        k, _, v = kv.partition("=")
+        rec[k] = float(v) if "." in v else int(v)
+    return rec
+
+
+def stream_record(log: str, metrics: str | None = None) -> dict:
+    """One tidy record of a run's stream-tier lines (preamble, last summary, cliff warning), keys
+    prefixed ``stream_``; absent values are None. ``metrics``: a ``/metrics`` page whose
+    ``llamacpp:moe_stream_*`` series are added as ``stream_metrics_*``."""
+    pre = parse_stream_preamble(log) or {}
+    sums = parse_stream_summaries(log)
+    last = sums[-1] if sums else None
+    rec = {f"stream_{k}": pre.get(k) for k in ("layers", "budget_mb", "cache_cycle_mb", "layer_demand_mb", "min_mb",
+                                                "entry_mb", "direct_io", "io_threads")}
+    for f in ("hit_pct", "resident_mib", "misses", "read_mib", "read_mib_per_token", "io_wait_s", "major_faults"):
+        rec[f"stream_{f}"] = getattr(last, f) if last else None
+    rec["stream_below_cycle"] = bool(_STREAM_CLIFF.search(log))
+    if metrics is not None:
+        for name, value in re.findall(r"^llamacpp:moe_stream_(\w+)\s+(\S+)$", metrics, re.M):
+            v = float(value)
+            rec[f"stream_metrics_{name.removesuffix('_total')}"] = int(v) if v.is_integer() else v
     return rec

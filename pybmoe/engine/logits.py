@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .binaries import EngineError, find_binary
@@ -13,13 +13,15 @@ from .binaries import EngineError, find_binary
 @dataclass
 class LogitsRun:
     """One ``pybmoe-logits`` run: greedy ``tokens``, the raw ``logits`` (n_vocab float32 per decode
-    step, native byte order), the cache's per-layer ``layers`` (il -> (hits, misses)) and the
-    ``log`` (stdout + stderr)."""
+    step, native byte order), the VRAM tier's per-layer ``layers`` (il -> (hits, misses)), the
+    ``log`` (stdout + stderr) and the stream tier's per-layer ``stream_layers`` (il -> (hits,
+    misses))."""
 
     tokens: list[int]
     logits: bytes
     layers: dict[int, tuple[int, int]]
     log: str
+    stream_layers: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def run_logits(model: str | os.PathLike, out: str | os.PathLike, args: list[str], *, prompt: str = "Hello there",
@@ -35,11 +37,14 @@ def run_logits(model: str | os.PathLike, out: str | os.PathLike, args: list[str]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if r.returncode != 0:
         raise EngineError(f"{' '.join(cmd)} exited with {r.returncode}:\n{r.stderr[-3000:]}")
-    tokens, layers = [], {}
+    tokens, layers, stream_layers = [], {}, {}
     for line in r.stdout.splitlines():
         if line.startswith("token "):
             tokens.append(int(line.split()[1]))
         elif line.startswith("moe-cache-layer "):
             _, il, h, m = line.split()
             layers[int(il)] = (int(h), int(m))
-    return LogitsRun(tokens, Path(out).read_bytes(), layers, r.stdout + r.stderr)
+        elif line.startswith("moe-stream-layer "):
+            _, il, h, m = line.split()
+            stream_layers[int(il)] = (int(h), int(m))
+    return LogitsRun(tokens, Path(out).read_bytes(), layers, r.stdout + r.stderr, stream_layers)

@@ -25,7 +25,7 @@ enum { SIM_GLOBAL_LRU = 0, SIM_FIFO = 1, SIM_LFU = 2, SIM_BELADY = 3 };
 enum { SIM_OK = 0, SIM_ENOMEM = -1, SIM_EINVAL = -2 };
 
 int32_t pybmoe_simcore_version(void) {
-    return 1;
+    return 2; // 2: global-lru takes a step's lookups in router rank order (recency per lookup)
 }
 
 // ---------------------------------------------------------------- indexed min-heap of ids
@@ -326,11 +326,15 @@ int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_
                 continue;
             }
             out[i] = 1;
+            if (policy == SIM_GLOBAL_LRU) {
+                iheap_set(&h, e, i, e); // every hit becomes the most recent entry, in rank order
+                continue;
+            }
             if (!first) {
                 continue;
             }
             switch (policy) {
-                case SIM_GLOBAL_LRU: iheap_set(&h, e, u, e); break;
+                case SIM_GLOBAL_LRU: break;
                 case SIM_FIFO: break;
                 case SIM_LFU: freq[e]++; iheap_set(&h, e, freq[e], u * (int64_t) n_entries + e); break;
                 case SIM_BELADY: iheap_set(&h, e, -next[i], e); break;
@@ -370,7 +374,7 @@ int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_
             n_res++;
             counters[0]++;
             switch (policy) {
-                case SIM_GLOBAL_LRU: iheap_push(&h, e, u, e); break;
+                case SIM_GLOBAL_LRU: iheap_push(&h, e, i, e); break;
                 case SIM_FIFO: iheap_push(&h, e, u, e); break;
                 case SIM_LFU: freq[e] = 1; iheap_push(&h, e, 1, u * (int64_t) n_entries + e); break;
                 case SIM_BELADY: iheap_push(&h, e, -next[i], e); break;
@@ -381,6 +385,9 @@ int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_
             for (int64_t i = b; i < end; ++i) {
                 if (out[i] == 0 && first_ev[entry[i]] != i && resident[entry[i]]) {
                     out[i] = 1;
+                    if (policy == SIM_GLOBAL_LRU) {
+                        iheap_set(&h, entry[i], i, entry[i]);
+                    }
                 }
             }
         }

@@ -20,7 +20,10 @@ Policies (:data:`POLICIES`; the rules are spelled out in ``docs/traces.md``):
     no such entry the miss is not admitted. Victims: least recently needed / first admitted /
     fewest steps needed since admission / needed furthest in the future (the incoming entry is
     itself a candidate: it is bypassed when it is needed no sooner than every victim). Ties go to
-    the lowest (layer, expert).
+    the lowest (layer, expert). ``global-lru`` is the engine's stream tier exactly
+    (``--moe-stream-cache-mb``): its recency is per lookup, in router rank order (token-major,
+    rank-minor), so a step's hits and admissions become the most recent entries in the order the
+    router ranked them, and there are no ties.
 ``static``
     The ``budget_entries`` most looked-up entries of each workload (in the replayed phase,
     learned in sample: an upper bound for static pinning) are pinned from the start; nothing else
@@ -111,7 +114,7 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
     try:
         lib = ctypes.CDLL(str(p))
         lib.pybmoe_simcore_version.restype = ctypes.c_int32
-        if lib.pybmoe_simcore_version() != 1:
+        if lib.pybmoe_simcore_version() != 2:
             return False
     except (OSError, AttributeError):
         return False
@@ -236,7 +239,9 @@ def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndar
     admitted = 0
 
     def new_key(e: int, u: int, i: int) -> tuple[int, int]:
-        if policy == "global-lru" or policy == "fifo":
+        if policy == "global-lru":
+            return (i, e)                            # recency per lookup, in router rank order
+        if policy == "fifo":
             return (u, e)
         if policy == "lfu":
             return (freq[e], u * n_entries + e)
@@ -256,7 +261,7 @@ def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndar
                 res[i] = 0
                 continue
             res[i] = 1
-            if first and policy != "fifo":
+            if policy == "global-lru" or (first and policy != "fifo"):
                 if policy == "lfu":
                     freq[e] += 1
                 key[e] = new_key(e, u, i)
@@ -292,6 +297,9 @@ def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndar
             for i in range(b, end):
                 if res[i] == 0 and need[ids[i]] != i and ids[i] in key:
                     res[i] = 1
+                    if policy == "global-lru":
+                        key[ids[i]] = new_key(ids[i], u, i)
+                        heapq.heappush(heap, (*key[ids[i]], ids[i]))
         if len(heap) > 4 * len(key) + 64:
             heap = [(*k, e) for e, k in key.items()]
             heapq.heapify(heap)

@@ -19,7 +19,9 @@ Files (all read by :func:`read_trace`, format sniffed from the content):
   ``.csv``): one comment line ``# pybmoe-trace v1 key=value ...`` (keys ``n_layer``,
   ``n_expert``, ``n_expert_used``, ``slots``, ``inserts``; unknown keys are kept in
   :attr:`TraceMeta.extra`), then the header ``workload,phase,ubatch,token,layer,rank,expert,hit``
-  and one row per lookup.
+  and one row per lookup. ``hit`` is the VRAM tier's answer (1 hit, 0 miss, -1 not served). With
+  the stream tier on (``--moe-stream-cache-mb``) the engine adds a ninth column, ``ram_hit``: its
+  answer for the same lookup (-1: computed on a device, or not streamed).
 - **Parquet** (``.parquet``): the same columns; the comment line is kept in the schema metadata
   under ``pybmoe-trace``.
 - **granite JSON** (``shared/data/granite-3.0-1b-a400m-routing.json``): ``{num_layers,
@@ -51,11 +53,13 @@ from pandas.api.types import union_categoricals
 FORMAT_VERSION = 1
 MAGIC = "# pybmoe-trace"
 COLUMNS = ("workload", "phase", "ubatch", "token", "layer", "rank", "expert", "hit")
+#: Columns kept when present: the stream tier's answer per lookup.
+OPTIONAL_COLUMNS = ("ram_hit",)
 PHASES = ("prefill", "decode")
 #: Phase selections accepted by the statistics and the simulator.
 PHASE_CHOICES = ("prefill", "decode", "all")
 _INT_DTYPES = {"ubatch": np.int32, "token": np.int32, "layer": np.int16, "rank": np.int16,
-               "expert": np.int32, "hit": np.int8}
+               "expert": np.int32, "hit": np.int8, "ram_hit": np.int8}
 _META_KEYS = ("n_layer", "n_expert", "n_expert_used", "slots", "inserts")
 FORMATS = ("auto", "engine", "parquet", "granite", "jsonl")
 
@@ -168,12 +172,14 @@ def from_frame(frame: pd.DataFrame, meta: TraceMeta | None = None, source: str =
     missing = [c for c in COLUMNS if c not in frame.columns]
     if missing:
         raise TraceFormatError(f"{where}: missing column(s) {missing}; accepted columns: {', '.join(COLUMNS)}")
-    frame = frame[list(COLUMNS)]
+    frame = frame[list(COLUMNS) + [c for c in OPTIONAL_COLUMNS if c in frame.columns]]
     bad_phase = set(map(str, pd.unique(frame["phase"]))) - set(PHASES)
     if bad_phase:
         raise TraceFormatError(f"{where}: phase value(s) {sorted(bad_phase)}; accepted: {', '.join(PHASES)}")
     out = {"workload": _categorical(frame["workload"]), "phase": _categorical(frame["phase"], PHASES)}
     for c, dt in _INT_DTYPES.items():
+        if c not in frame.columns:
+            continue
         col = frame[c]
         if not pd.api.types.is_integer_dtype(col):
             num = pd.to_numeric(col, errors="coerce")
@@ -182,8 +188,8 @@ def from_frame(frame: pd.DataFrame, meta: TraceMeta | None = None, source: str =
                 raise TraceFormatError(f"{where}: column {c!r} has the non-integer value {bad!r}; accepted: integers")
             col = num
         v = col.to_numpy().astype(np.int64)
-        lo = -1 if c == "hit" else 0
-        hi = 1 if c == "hit" else np.iinfo(dt).max
+        lo = -1 if c in ("hit", "ram_hit") else 0
+        hi = 1 if c in ("hit", "ram_hit") else np.iinfo(dt).max
         if len(v) and (v.min() < lo or v.max() > hi):
             bad = v[(v < lo) | (v > hi)][0]
             raise TraceFormatError(f"{where}: column {c!r} has the value {bad}; accepted: {lo} .. {hi}")
@@ -278,8 +284,9 @@ def read_engine_csv(path: str | Path) -> Trace:
         first = f.readline()
         second = f.readline().strip()
     meta = parse_header(first, str(path))
-    if second.split(",") != list(COLUMNS):
-        raise TraceFormatError(f"{path}: line 2 is {second[:80]!r}; accepted: {','.join(COLUMNS)}")
+    if second.split(",") not in (list(COLUMNS), list(COLUMNS + OPTIONAL_COLUMNS)):
+        raise TraceFormatError(f"{path}: line 2 is {second[:80]!r}; accepted: {','.join(COLUMNS)}"
+                               f"[,{','.join(OPTIONAL_COLUMNS)}]")
     dtypes = {"workload": "category", "phase": "category", **{c: np.int64 for c in _INT_DTYPES}}
     try:
         df = pd.read_csv(path, skiprows=1, dtype=dtypes, keep_default_na=False, na_filter=False)

@@ -1,0 +1,359 @@
+// pybmoe: the stream tier's start-up: which layers it streams, the budget (fixed or auto from
+// available memory, floor, ceiling, the mechanical minimum), the reservations the expert tensors are
+// rebound to, the read lanes, the preamble and the cliff guard. See llama-moe-stream.h.
+//
+// Holds: load-time decisions and their log lines. Must not hold: anything that runs per step
+// (llama-moe-stream.cpp).
+
+#include "llama-moe-model.h"
+
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#if !defined(_WIN32)
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+#endif
+
+// what the memory the process may still use looks like, in bytes (0: not known)
+struct llama_moe_mem_avail {
+    uint64_t meminfo        = 0; // /proc/meminfo MemAvailable
+    uint64_t cgroup_limit   = 0; // the process's cgroup (v2 memory.max, v1 memory.limit_in_bytes)
+    uint64_t cgroup_usage   = 0;
+    uint64_t cgroup_inactive_file = 0; // reclaimable page cache inside the cgroup
+    std::string cgroup;
+
+    uint64_t avail() const {
+        uint64_t a = meminfo;
+        if (cgroup_limit > 0) {
+            const uint64_t used = cgroup_usage > cgroup_inactive_file ? cgroup_usage - cgroup_inactive_file : 0;
+            const uint64_t c = cgroup_limit > used ? cgroup_limit - used : 0;
+            a = a ? std::min(a, c) : c;
+        }
+        return a;
+    }
+};
+
+static uint64_t llama_moe_read_u64(const std::string & path) {
+    std::ifstream f(path);
+    std::string s;
+    if (!(f >> s) || s == "max") {
+        return 0;
+    }
+    return strtoull(s.c_str(), nullptr, 10);
+}
+
+static uint64_t llama_moe_stat_field(const std::string & path, const std::string & key) {
+    std::ifstream f(path);
+    std::string k;
+    uint64_t v;
+    while (f >> k >> v) {
+        if (k == key) {
+            return v;
+        }
+    }
+    return 0;
+}
+
+static llama_moe_mem_avail llama_moe_read_mem_avail() {
+    llama_moe_mem_avail m;
+    {
+        std::ifstream f("/proc/meminfo");
+        std::string line;
+        while (std::getline(f, line)) {
+            if (line.rfind("MemAvailable:", 0) == 0) {
+                m.meminfo = strtoull(line.c_str() + 13, nullptr, 10) * 1024; // kB
+            }
+        }
+    }
+    std::ifstream f("/proc/self/cgroup");
+    std::string line;
+    while (std::getline(f, line)) {
+        // v2: "0::/path"; v1: "N:memory:/path" (or "N:...,memory,...:/path")
+        const size_t a = line.find(':');
+        const size_t b = a == std::string::npos ? a : line.find(':', a + 1);
+        if (b == std::string::npos) {
+            continue;
+        }
+        const std::string ctrl = line.substr(a + 1, b - a - 1);
+        const std::string rel  = line.substr(b + 1);
+        uint64_t limit = 0, usage = 0, inactive = 0;
+        std::string dir;
+        if (ctrl.empty()) {
+            dir      = "/sys/fs/cgroup" + rel;
+            limit    = llama_moe_read_u64(dir + "/memory.max");
+            usage    = llama_moe_read_u64(dir + "/memory.current");
+            inactive = llama_moe_stat_field(dir + "/memory.stat", "inactive_file");
+        } else if (("," + ctrl + ",").find(",memory,") != std::string::npos) {
+            dir      = "/sys/fs/cgroup/memory" + rel;
+            limit    = llama_moe_read_u64(dir + "/memory.limit_in_bytes");
+            usage    = llama_moe_read_u64(dir + "/memory.usage_in_bytes");
+            inactive = llama_moe_stat_field(dir + "/memory.stat", "total_inactive_file");
+        } else {
+            continue;
+        }
+        // v1 writes a huge number for "no limit"
+        if (limit > 0 && limit < (1ull << 60) && (m.cgroup_limit == 0 || limit < m.cgroup_limit)) {
+            m.cgroup_limit = limit;
+            m.cgroup_usage = usage;
+            m.cgroup_inactive_file = inactive;
+            m.cgroup = dir;
+        }
+    }
+    return m;
+}
+
+// CPU buffers whose bytes are the GGUF's (a repacked layout is not)
+static bool llama_moe_buft_holds_gguf_layout(ggml_backend_buffer_type_t buft) {
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    const char * name = ggml_backend_buft_name(buft);
+    if (dev != nullptr && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+        return ggml_backend_buft_is_host(buft); // a device's pinned host memory
+    }
+    return strcmp(name, "CPU") == 0 || strcmp(name, "CPU_Mapped") == 0;
+}
+
+int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t floor_mib, int32_t ceil_mib,
+                              int32_t io_threads, int32_t n_ubatch) {
+    const bool is_auto = budget_mib == LLAMA_MOE_STREAM_AUTO;
+    if (model == nullptr) {
+        LLAMA_LOG_ERROR("%s: moe-stream: no model\n", __func__);
+        return -1;
+    }
+    if ((budget_mib < 0 && !is_auto) || floor_mib < 0 || ceil_mib < 0 || io_threads < 1 || io_threads > 64 || n_ubatch < 1) {
+        LLAMA_LOG_ERROR("%s: moe-stream: budget (%d MiB), floor (%d MiB) and ceiling (%d MiB) must be >= 0, io threads (%d) "
+                "1 .. 64 and the ubatch (%d) >= 1\n", __func__, budget_mib, floor_mib, ceil_mib, io_threads, n_ubatch);
+        return -1;
+    }
+    if (budget_mib == 0) {
+        return 0;
+    }
+    const auto & hp = model->hparams;
+    if (hp.n_expert == 0) {
+        LLAMA_LOG_INFO("%s: moe-stream: model has no MoE layers; --moe-stream-cache-mb is inert\n", __func__);
+        return 0;
+    }
+    llama_moe_cache * mc = model->moe_cache;
+    if (mc == nullptr || mc->sources.empty()) {
+        LLAMA_LOG_ERROR("%s: moe-stream: the model was not loaded from a GGUF file path, so expert bytes have no "
+                "source; the stream tier is OFF\n", __func__);
+        return -1;
+    }
+    auto & st = mc->stream;
+    if (st.on()) {
+        LLAMA_LOG_ERROR("%s: moe-stream: already on\n", __func__);
+        return -1;
+    }
+    const int32_t n_expert = (int32_t) hp.n_expert;
+    const int32_t n_used   = (int32_t) hp.n_expert_used();
+
+    // the host-resident MoE layers whose expert bytes are the GGUF's
+    std::vector<int> ils;
+    std::map<std::string, std::vector<int>> not_streamed; // reason -> layers
+    int n_moe = 0;
+    for (int il = 0; il < (int) model->layers.size(); ++il) {
+        const auto & layer = model->layers[il];
+        if (!llama_moe_is_moe_layer(layer)) {
+            continue;
+        }
+        n_moe++;
+        const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
+        const int n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                                               layer.ffn_gate_up_exps, exps);
+        if (n_proj == 0) {
+            not_streamed["the layer has no down experts"].push_back(il);
+            continue;
+        }
+        ggml_backend_buffer_type_t ebuft = ggml_backend_buffer_get_type(exps[0]->buffer);
+        ggml_backend_dev_t edev = ggml_backend_buft_get_device(ebuft);
+        if (!ggml_backend_buft_is_host(ebuft) && edev != nullptr && ggml_backend_dev_type(edev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            continue; // experts on a device: not the host's to stream
+        }
+        bool ok = true;
+        for (int p = 0; p < n_proj; ++p) {
+            ok = ok && llama_moe_buft_holds_gguf_layout(ggml_backend_buffer_get_type(exps[p]->buffer));
+        }
+        if (!ok) {
+            not_streamed[format("the experts are in buffer type %s, whose layout is not the GGUF's (CPU repack); run with "
+                    "--no-repack", ggml_backend_buft_name(ebuft))].push_back(il);
+            continue;
+        }
+        for (int p = 0; p < n_proj; ++p) {
+            const auto it = mc->sources.tensors.find(ggml_get_name(exps[p]));
+            ok = ok && it != mc->sources.tensors.end() && exps[p]->ne[2] == n_expert &&
+                 it->second.nbytes == exps[p]->nb[2] * (size_t) n_expert && ggml_is_contiguous(exps[p]);
+        }
+        if (!ok) {
+            not_streamed["expert tensors have no GGUF source of their layout"].push_back(il);
+            continue;
+        }
+        ils.push_back(il);
+    }
+    for (const auto & [why, v] : not_streamed) {
+        std::string list;
+        for (int il : v) {
+            list += (list.empty() ? "" : ",") + std::to_string(il);
+        }
+        LLAMA_LOG_WARN("%s: moe-stream: WARNING %zu layer(s) not streamed (%s): %s\n", __func__, v.size(), list.c_str(), why.c_str());
+    }
+    if (ils.empty()) {
+        LLAMA_LOG_WARN("%s: moe-stream: WARNING --moe-stream-cache-mb was given but none of the %d MoE layers has "
+                "host-resident experts in the GGUF layout; the stream tier is OFF\n", __func__, n_moe);
+        return -1;
+    }
+
+    // sizes: an entry is one expert of one layer, all its projections
+    size_t  entry   = 0;
+    int64_t total   = 0;
+    double  cycle   = 0.0;
+    for (int il : ils) {
+        const auto & layer = model->layers[il];
+        const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
+        const int n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                                               layer.ffn_gate_up_exps, exps);
+        size_t e = 0;
+        for (int p = 0; p < n_proj; ++p) {
+            e += exps[p]->nb[2];
+        }
+        entry  = std::max(entry, e);
+        total += (int64_t) e * n_expert;
+        cycle += (double) e * std::min(n_used, n_expert);
+    }
+    const int64_t min_entries = std::min<int64_t>(n_expert, (int64_t) n_used * n_ubatch);
+    const int64_t min_bytes   = min_entries * (int64_t) entry;
+    const double  mib = 1024.0 * 1024.0;
+
+    int64_t budget = 0;
+    if (is_auto) {
+        const llama_moe_mem_avail m = llama_moe_read_mem_avail();
+        const double avail = m.avail() / mib;
+        double b = avail - floor_mib;
+        if (ceil_mib > 0) {
+            b = std::min(b, (double) ceil_mib);
+        }
+        b = std::min(b, total / mib);
+        LLAMA_LOG("%s: moe-stream: auto: MemAvailable %.0f MiB%s -> %.0f MiB available - %d MiB floor%s -> %.0f MiB "
+                "(experts %.0f MiB, minimum %.0f MiB)\n", __func__, m.meminfo / mib,
+                m.cgroup_limit ? format(", cgroup %s limit %.0f MiB, usage %.0f MiB of which %.0f MiB inactive file",
+                        m.cgroup.c_str(), m.cgroup_limit / mib, m.cgroup_usage / mib, m.cgroup_inactive_file / mib).c_str() : "",
+                avail, floor_mib, ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", std::max(b, 0.0),
+                total / mib, min_bytes / mib);
+        if (b * mib < (double) min_bytes) {
+            LLAMA_LOG_ERROR("%s: moe-stream: auto found %.0f MiB, under the mechanical minimum of %.1f MiB (%lld experts of "
+                    "%.2f MiB: the most one layer step needs at ubatch %d); lower --moe-stream-floor-mb, raise the "
+                    "ceiling, or give a budget\n", __func__, std::max(b, 0.0), min_bytes / mib, (long long) min_entries,
+                    entry / mib, n_ubatch);
+            return LLAMA_MOE_STREAM_ERR_BUDGET;
+        }
+        budget = (int64_t) (b * mib);
+    } else {
+        budget = (int64_t) budget_mib << 20;
+        if (budget < min_bytes) {
+            LLAMA_LOG_ERROR("%s: moe-stream: %d MiB is under the mechanical minimum of %.1f MiB: one layer step at ubatch %d "
+                    "can need min(n_expert %d, top-k %d x %d tokens) = %lld experts of %.2f MiB; give at least %lld MiB "
+                    "or a smaller -ub\n", __func__, budget_mib, min_bytes / mib, n_ubatch, n_expert, n_used, n_ubatch,
+                    (long long) min_entries, entry / mib, (long long) ((min_bytes + (1 << 20) - 1) >> 20));
+            return LLAMA_MOE_STREAM_ERR_BUDGET;
+        }
+        if (budget > total) {
+            LLAMA_LOG_INFO("%s: moe-stream: %d MiB is more than every streamed expert (%.1f MiB); clamped to that\n",
+                    __func__, budget_mib, total / mib);
+            budget = total;
+        }
+    }
+
+    // reservations: each expert tensor is rebound to anonymous memory of its size, committed as
+    // experts are read, so that experts sit at their offsets e * nb[2] and nothing else changes
+    st.layer_of_il.assign(model->layers.size(), -1);
+    for (int il : ils) {
+        const auto & layer = model->layers[il];
+        llama_moe_stream_layer l;
+        l.il = il;
+        l.li = (int32_t) st.layers.size();
+        const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
+        l.n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                                       layer.ffn_gate_up_exps, exps);
+        for (int p = 0; p < l.n_proj; ++p) {
+            l.exps[p] = const_cast<ggml_tensor *>(exps[p]);
+            l.src[p]  = mc->sources.tensors.at(ggml_get_name(exps[p]));
+            l.expert_nbytes[p] = exps[p]->nb[2];
+#if !defined(_WIN32)
+            const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+            l.region_bytes[p] = (ggml_nbytes(exps[p]) + page - 1) & ~(page - 1);
+            void * r = mmap(nullptr, l.region_bytes[p], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (r == MAP_FAILED) {
+                LLAMA_LOG_ERROR("%s: moe-stream: cannot reserve %.1f MiB of address space for %s; the stream tier is OFF\n",
+                        __func__, l.region_bytes[p] / mib, ggml_get_name(exps[p]));
+                st.layers.push_back(std::move(l));
+                st.unmap();
+                st.layers.clear();
+                return -1;
+            }
+            l.region[p] = r;
+#endif
+        }
+        st.layer_of_il[il] = l.li;
+        st.layers.push_back(std::move(l));
+    }
+    std::string err;
+    if (!st.reader.open(mc->sources.paths, io_threads, /*want_direct =*/ true, err)) {
+        LLAMA_LOG_ERROR("%s: moe-stream: cannot open %s to read experts; the stream tier is OFF\n", __func__, err.c_str());
+        st.unmap();
+        st.layers.clear();
+        return -1;
+    }
+    if (!st.reader.fallback_reason.empty()) {
+        LLAMA_LOG_WARN("%s: moe-stream: WARNING %s: reading experts through the page cache (buffered) instead\n",
+                __func__, st.reader.fallback_reason.c_str());
+    }
+    // only now, with everything in place: the tensors read from the reservations
+    for (auto & l : st.layers) {
+        for (int p = 0; p < l.n_proj; ++p) {
+            l.exps[p]->data = l.region[p];
+        }
+    }
+    st.entry_bytes  = entry;
+    st.budget_bytes = budget;
+    st.min_bytes    = min_bytes;
+    st.total_bytes  = total;
+    st.n_ubatch     = n_ubatch;
+    st.lru.init((int32_t) st.layers.size(), n_expert, budget / (int64_t) entry);
+#if !defined(_WIN32)
+    rusage ru = {};
+    getrusage(RUSAGE_SELF, &ru);
+    st.majflt_at_start = ru.ru_majflt;
+#endif
+
+    LLAMA_LOG("%s: moe-stream: %zu of %d MoE layers stream their experts from %s%s: budget %.1f MiB (%lld experts of "
+            "%.3f MiB), %d read lanes, %s; streamed experts keep the GGUF layout (no CPU repack)\n", __func__,
+            st.layers.size(), n_moe, mc->sources.paths[0].c_str(), mc->sources.paths.size() > 1 ? " and its splits" : "",
+            budget / mib, (long long) st.lru.capacity, entry / mib, st.reader.n_lanes, st.reader.direct ? "O_DIRECT" : "buffered");
+    // the preamble: one line, key=value (pybmoe.engine parses it)
+    LLAMA_LOG("moe-stream-preamble: layers=%zu n_expert=%d top_k=%d budget_mb=%.2f cache_cycle_mb=%.2f layer_demand_mb=%.2f "
+            "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f\n", st.layers.size(), n_expert, n_used, budget / mib,
+            cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib, st.reader.direct ? 1 : 0,
+            st.reader.n_lanes, entry / mib);
+    if ((double) budget < cycle) {
+        // the cliff guard (the BigMoeOnEdge seed): state the fact, once, at load
+        LLAMA_LOG_WARN("%s: moe-stream: WARNING the budget of %.1f MiB is below the cache cycle of %.1f MiB (every streamed "
+                "layer's top-%d experts): under LRU one token's experts cannot all stay resident until the next token, "
+                "so the hit rate falls toward 0 and decode rereads what it evicted\n", __func__, budget / mib,
+                cycle / mib, n_used);
+    }
+    return (int32_t) st.layers.size();
+}
+
+int32_t llama_model_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t floor_mib, int32_t ceil_mib,
+                                    int32_t io_threads, int32_t n_ubatch) {
+    return llama_moe_stream_init(model, budget_mib, floor_mib, ceil_mib, io_threads, n_ubatch);
+}

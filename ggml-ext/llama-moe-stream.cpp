@@ -1,0 +1,243 @@
+// pybmoe: the stream tier's graph op, stats and resize. See llama-moe-stream.h.
+//
+// Holds: what happens in a layer step (admit, release, read) and the tier's counters and C API.
+// Must not hold: sizing and start-up (llama-moe-stream-init.cpp), the policy's rules
+// (llama-moe-residency.cpp) or read mechanics (llama-moe-source.cpp).
+
+#include "llama-moe-model.h"
+
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include "ggml.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#if !defined(_WIN32)
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+#endif
+
+static long llama_moe_major_faults() {
+#if defined(_WIN32)
+    return 0;
+#else
+    rusage ru = {};
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_majflt;
+#endif
+}
+
+void llama_moe_stream::unmap() {
+#if !defined(_WIN32)
+    for (auto & l : layers) {
+        for (int p = 0; p < l.n_proj; ++p) {
+            if (l.region[p]) {
+                munmap(l.region[p], l.region_bytes[p]);
+                l.region[p] = nullptr;
+            }
+        }
+    }
+#endif
+}
+
+static void llama_moe_stream_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    auto * op = (llama_moe_stream_layer::op_data *) userdata;
+    op->tier->step(*op->owner, op->li, a);
+    // the ids pass through unchanged: the MUL_MAT_IDs that read them now run after the reads
+    for (int64_t r = 0; r < a->ne[1]; ++r) {
+        for (int64_t k = 0; k < a->ne[0]; ++k) {
+            *(int32_t *) ((char *) dst->data + r*dst->nb[1] + k*dst->nb[0]) =
+                *(const int32_t *) ((const char *) a->data + r*a->nb[1] + k*a->nb[0]);
+        }
+    }
+}
+
+ggml_tensor * llama_moe_stream::graph_ids(const llama_moe_cache * owner, ggml_context * ctx, ggml_tensor * selected, int il) {
+    if (il < 0 || il >= (int) layer_of_il.size() || layer_of_il[il] < 0) {
+        return selected;
+    }
+    auto & l = layers[layer_of_il[il]];
+    l.op = { owner, this, l.li };
+    ggml_tensor * out = ggml_map_custom1(ctx, selected, llama_moe_stream_op, 1, &l.op);
+    ggml_format_name(out, "blk.%d.ffn_moe_stream", il);
+    return out;
+}
+
+void llama_moe_stream::release(const std::vector<int32_t> & entries) {
+#if !defined(_WIN32)
+    static const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    for (int32_t entry : entries) {
+        const auto & l = layers[entry / lru.n_expert];
+        const size_t e = (size_t) (entry % lru.n_expert);
+        for (int p = 0; p < l.n_proj; ++p) {
+            // only the pages that lie wholly inside this expert's bytes: a neighbour may share the others
+            const uintptr_t b0 = (uintptr_t) l.region[p] + e * l.expert_nbytes[p];
+            const uintptr_t b1 = b0 + l.expert_nbytes[p];
+            const uintptr_t p0 = (b0 + page - 1) & ~(uintptr_t) (page - 1);
+            const uintptr_t p1 = b1 & ~(uintptr_t) (page - 1);
+            if (p1 > p0) {
+                madvise((void *) p0, p1 - p0, MADV_DONTNEED);
+            }
+        }
+    }
+#else
+    GGML_UNUSED(entries);
+#endif
+}
+
+void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggml_tensor * ids) {
+    auto & l = layers[li];
+    const int64_t n_used = ids->ne[0];
+    const int64_t n_rows = ids->ne[1];
+
+    // the VRAM tier's published table: experts resident on the device are computed there
+    const llama_moe_cache_layer * vl = owner.vram.enabled() ? owner.vram.layer(l.il) : nullptr;
+    const int32_t * vtable = vl ? (const int32_t *) vl->host_table->data : nullptr;
+
+    std::vector<int32_t> want;   // lookups of this tier, in router order
+    std::vector<int64_t> where;  // their index among all ids
+    want.reserve(n_used * n_rows);
+    where.reserve(n_used * n_rows);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        for (int64_t k = 0; k < n_used; ++k) {
+            const int32_t e = *(const int32_t *) ((const char *) ids->data + r*ids->nb[1] + k*ids->nb[0]);
+            if (vtable && vtable[e] < vl->n_phys) {
+                continue;
+            }
+            want.push_back(e);
+            where.push_back(r*n_used + k);
+        }
+    }
+
+    std::vector<int8_t>  hit;
+    std::vector<int32_t> admitted, evicted;
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        lru.step(li, want.data(), (int64_t) want.size(), hit, admitted, evicted);
+        l.hits_now.assign(n_used * n_rows, -1);
+        for (size_t i = 0; i < want.size(); ++i) {
+            l.hits_now[where[i]] = hit[i];
+            l.hits   += hit[i] == 1;
+            l.misses += hit[i] == 0;
+        }
+    }
+    release(evicted); // before the admitted entries' bytes arrive: a shared page is never dropped after
+
+    std::vector<llama_moe_read> jobs;
+    size_t nbytes = 0;
+    for (int32_t entry : admitted) {
+        const size_t e = (size_t) (entry % lru.n_expert);
+        for (int p = 0; p < l.n_proj; ++p) {
+            const size_t n = l.expert_nbytes[p];
+            jobs.push_back({ l.src[p].file, l.src[p].offs + e * n, n, (uint8_t *) l.region[p] + e * n });
+            nbytes += n;
+        }
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string err;
+    if (!reader.read(jobs, err)) {
+        // note: the expert's bytes are not there, so the layer's output would be wrong: stop here
+        GGML_ABORT("%s", err.c_str());
+    }
+    const auto us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+
+    std::lock_guard<std::mutex> lock(mutex);
+    read_bytes += nbytes;
+    io_wait_us += (uint64_t) us;
+    if (li == 0) {
+        n_tokens += (uint64_t) n_rows;
+    }
+}
+
+void llama_moe_stream::get_stats(llama_moe_stream_stats & out) const {
+    std::lock_guard<std::mutex> lock(mutex);
+    out = {};
+    out.hits           = lru.hits;
+    out.misses         = lru.misses;
+    out.read_bytes     = read_bytes;
+    out.resident_bytes = (uint64_t) lru.n_resident * entry_bytes;
+    out.budget_bytes   = (uint64_t) budget_bytes;
+    out.n_tokens       = n_tokens;
+    out.io_wait_us     = io_wait_us;
+    out.major_faults   = (uint64_t) std::max(0L, llama_moe_major_faults() - majflt_at_start);
+    out.n_layers       = (int32_t) layers.size();
+    out.direct_io      = reader.direct ? 1 : 0;
+}
+
+void llama_moe_stream::print_summary() const {
+    llama_moe_stream_stats st;
+    get_stats(st);
+    const uint64_t n = st.hits + st.misses;
+    LLAMA_LOG("moe-stream: %.1f%% hit, resident %.1f MiB, misses %llu (read %.1f MiB, %.2f MiB/token), io wait %.3f s, "
+            "major faults %llu\n", n ? 100.0*st.hits/n : 0.0, st.resident_bytes/1024.0/1024.0,
+            (unsigned long long) st.misses, st.read_bytes/1024.0/1024.0,
+            st.n_tokens ? st.read_bytes/1024.0/1024.0/st.n_tokens : 0.0, st.io_wait_us/1e6,
+            (unsigned long long) st.major_faults);
+}
+
+//
+// C API
+//
+
+bool llama_model_moe_stream_get_stats(const llama_model * model, llama_moe_stream_stats * out) {
+    const llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || !mc->stream.on() || out == nullptr) {
+        return false;
+    }
+    mc->stream.get_stats(*out);
+    return true;
+}
+
+bool llama_model_moe_stream_get_layer_stats(const llama_model * model, int32_t il, uint64_t * hits, uint64_t * misses) {
+    const llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || !mc->stream.on() || il < 0 || il >= (int32_t) mc->stream.layer_of_il.size() ||
+        mc->stream.layer_of_il[il] < 0) {
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(mc->stream.mutex);
+    const auto & l = mc->stream.layers[mc->stream.layer_of_il[il]];
+    if (hits)   { *hits   = l.hits; }
+    if (misses) { *misses = l.misses; }
+    return true;
+}
+
+int32_t llama_model_moe_stream_set_budget_mib(llama_model * model, int32_t budget_mib) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || !mc->stream.on()) {
+        LLAMA_LOG_ERROR("%s: moe-stream: the stream tier is off; nothing to resize\n", __func__);
+        return -1;
+    }
+    if (mc->n_busy.load() > 0) {
+        LLAMA_LOG_ERROR("%s: moe-stream: a graph is being computed; resize between generations\n", __func__);
+        return -2;
+    }
+    auto & st = mc->stream;
+    const int64_t min_mib = (st.min_bytes + (1 << 20) - 1) >> 20;
+    if (budget_mib < min_mib) {
+        LLAMA_LOG_ERROR("%s: moe-stream: %d MiB is under the mechanical minimum of %lld MiB (%lld experts of %.2f MiB, "
+                "the most one layer step needs at ubatch %d); accepted: >= %lld\n", __func__, budget_mib,
+                (long long) min_mib, (long long) (st.min_bytes / (int64_t) st.entry_bytes), st.entry_bytes/1024.0/1024.0,
+                st.n_ubatch, (long long) min_mib);
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    const int64_t want = std::min<int64_t>((int64_t) budget_mib << 20, st.total_bytes);
+    std::vector<int32_t> evicted;
+    {
+        std::lock_guard<std::mutex> lock_st(st.mutex);
+        st.budget_bytes = want;
+        st.lru.resize(want / (int64_t) st.entry_bytes, evicted);
+    }
+    st.release(evicted);
+    LLAMA_LOG("%s: moe-stream: budget %lld MiB now (%lld experts resident, %zu evicted)\n", __func__,
+            (long long) (want >> 20), (long long) st.lru.n_resident, evicted.size());
+    return (int32_t) (want >> 20);
+}

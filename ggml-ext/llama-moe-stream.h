@@ -1,0 +1,116 @@
+#pragma once
+
+// pybmoe: the stream tier (--moe-stream-cache-mb): the experts of every host-resident MoE layer are
+// not read from the memory map; each layer step's experts are read from the GGUF (O_DIRECT, on read
+// lanes) into a RAM expert cache of a budget in MiB, before that layer's host MUL_MAT_ID runs. The
+// kernel reads the same bytes at the same offsets, so the output is bit-identical to a run with
+// every expert in RAM.
+//
+// Holds: per streamed layer, the anonymous reservations its expert tensors are rebound to; the
+// graph op that admits a layer step's experts (llama_moe_lru) and reads the misses; the budget,
+// its sizing (auto, floor, ceiling, the mechanical minimum), the cliff guard, stats and resize.
+// Must not hold: the policy's rules (llama-moe-residency.h), file I/O mechanics
+// (llama-moe-source.h) or the VRAM tier (llama-moe-vram.h; with both on, the experts resident on a
+// device are computed there and not streamed).
+
+#include "llama-moe-residency.h"
+#include "llama-moe-source.h"
+#include "llama-moe-vram.h"
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+struct ggml_context;
+struct ggml_tensor;
+struct llama_model;
+struct llama_moe_cache;
+struct llama_moe_stream_stats;
+
+struct llama_moe_stream;
+
+struct llama_moe_stream_layer {
+    int32_t il = -1;  // model layer
+    int32_t li = -1;  // index into llama_moe_stream::layers (and the LRU's layers)
+    int n_proj = 0;
+    ggml_tensor *    exps[LLAMA_MOE_N_PROJ] = {};
+    llama_moe_source src [LLAMA_MOE_N_PROJ] = {};
+    size_t           expert_nbytes[LLAMA_MOE_N_PROJ] = {};
+    void *           region[LLAMA_MOE_N_PROJ] = {};      // anonymous reservation the tensor is rebound to
+    size_t           region_bytes[LLAMA_MOE_N_PROJ] = {};
+
+    std::vector<int8_t> hits_now; // per lookup of the last step: 1 hit, 0 miss, -1 computed on a device
+    uint64_t hits   = 0;
+    uint64_t misses = 0;
+
+    // the graph op's user data
+    struct op_data {
+        const llama_moe_cache * owner;
+        llama_moe_stream *      tier;
+        int32_t                 li;
+    } op;
+
+    size_t entry_bytes() const {
+        return expert_nbytes[0] + expert_nbytes[1] + expert_nbytes[2];
+    }
+};
+
+struct llama_moe_stream {
+    std::vector<llama_moe_stream_layer> layers;
+    std::vector<int32_t> layer_of_il; // model layer -> index into layers, -1 when not streamed
+
+    llama_moe_lru    lru;
+    llama_moe_reader reader;
+
+    size_t  entry_bytes   = 0; // the largest layer's (layer, expert) entry: all its projections
+    int64_t budget_bytes  = 0;
+    int64_t min_bytes     = 0; // the largest set one layer step can need at the configured ubatch
+    int64_t total_bytes   = 0; // every streamed expert
+    int32_t n_ubatch      = 0;
+
+    // counters (the graph op updates them during compute; the getters read them under `mutex`)
+    mutable std::mutex mutex;
+    uint64_t n_tokens    = 0;  // rows the first streamed layer computed
+    uint64_t read_bytes  = 0;  // bytes copied into the cache (the ranges themselves)
+    uint64_t io_wait_us  = 0;  // time the graph waited for reads
+    long     majflt_at_start = 0;
+
+    std::string error; // the first read error (the op aborts with it)
+
+    bool on() const {
+        return !layers.empty();
+    }
+
+    // the ids layer il's MUL_MAT_IDs use: `selected` through the op that makes its experts resident,
+    // or `selected` itself when the layer is not streamed
+    ggml_tensor * graph_ids(const llama_moe_cache * owner, ggml_context * ctx, ggml_tensor * selected, int il);
+
+    // the op's work for one layer step (ids: I32 [n_used, n_rows], any strides)
+    void step(const llama_moe_cache & owner, int32_t li, const ggml_tensor * ids);
+
+    // drops entries' bytes (whole pages inside the expert's range go back to the kernel)
+    void release(const std::vector<int32_t> & entries);
+
+    uint32_t n_graph_nodes() const {
+        return (uint32_t) layers.size();
+    }
+
+    void get_stats(llama_moe_stream_stats & out) const;
+
+    // "moe-stream: <hit>% hit, resident <X> MiB, misses <n> (read <Y> MiB, <Z> MiB/token), io wait <T> s,
+    // major faults <F>"
+    void print_summary() const;
+
+    // gives the reservations back (the tensors must not be read after)
+    void unmap();
+
+    ~llama_moe_stream() {
+        unmap();
+    }
+};
+
+// llama-moe-stream-init.cpp: the C API's init (layer selection, sizing, reservations, preamble)
+int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t floor_mib, int32_t ceil_mib,
+                              int32_t io_threads, int32_t n_ubatch);

@@ -1,0 +1,145 @@
+"""The stream tier is exact: with ``--moe-stream-cache-mb`` the logits are bit-identical to an
+all-resident run (the experts memory-mapped, no flag), on a CPU-only run.
+
+Grid: 3 architectures (qwen3moe: separate gate/up/down; gpt-oss: per-expert biases; gemma4: fused
+gate_up and a down scale) x ubatch {1, 7, 32, 512} x the budgets {the mechanical minimum, below the
+cycle, at the cycle, half the experts, all of them} that exist at that ubatch. Every run also
+checks that the tier served every MoE layer (hits + misses > 0 per layer) and that the cliff WARN
+appears exactly when the budget is below the cycle.
+
+The model: 2 layers, 16 experts, top-3, n_embd 512, expert ff 320, Q8_0, so one (layer, expert)
+entry is 0.50 MiB and a budget in whole MiB is a handful of entries.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from pybmoe import engine, models
+from pybmoe.routing import sim
+
+PROMPT = ("A model larger than memory streams its experts from the file: each layer reads the experts its "
+          "router picked, keeps the recently used ones in RAM, and computes exactly what it would have.")
+N_PREDICT = 6
+SHAPE = dict(n_layer=2, n_expert=16, n_expert_used=3, n_embd=512, n_ff_exp=320)
+ARCHS = ["qwen3moe", "gpt-oss", "gemma4"]
+UBATCHES = [1, 7, 32, 512]
+MIB = 1024 * 1024
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_model(request) -> Path:
+    return models.cached_model_path(models.ModelSpec(arch=request.param, **SHAPE))
+
+
+def cpu_args(ub: int) -> list[str]:
+    return ["-b", "512", "-ub", str(ub), "-ngl", "0", "--no-repack"]
+
+
+def budgets(model: Path, ub: int) -> dict[str, int]:
+    """The budget points (MiB) that exist at this ubatch, by name."""
+    entry, n_layer, n_expert, k = sim.gguf_expert_bytes(model)
+    need = lambda entries: math.ceil(entries * entry / MIB)  # noqa: E731
+    floor = lambda entries: math.floor(entries * entry / MIB)  # noqa: E731
+    lo = need(min(n_expert, k * ub))
+    out = {"min": lo, "cycle": need(n_layer * k), "half": need(n_layer * n_expert / 2), "all": need(n_layer * n_expert)}
+    if floor(n_layer * k - 1) >= lo:
+        out["below_cycle"] = floor(n_layer * k - 1)
+    return {name: b for name, b in out.items() if b >= lo}
+
+
+def run(model: Path, tmp: Path, ub: int, extra: list[str], name: str, **kw) -> engine.LogitsRun:
+    return engine.run_logits(model, tmp / f"{model.stem}-{name}.bin", [*cpu_args(ub), *extra], prompt=PROMPT,
+                             n_predict=N_PREDICT, ctx=512, timeout=600, **kw)
+
+
+@pytest.mark.parametrize("ub", UBATCHES)
+def test_streamed_logits_equal_all_resident(arch_model, ub, tmp_path):
+    base = run(arch_model, tmp_path, ub, [], f"base-{ub}")
+    assert base.stream_layers == {} and "moe-stream" not in base.log
+    entry, n_layer, _, k = sim.gguf_expert_bytes(arch_model)
+    cycle_mib = n_layer * k * entry / MIB
+    seen = set()
+    for name, mib in budgets(arch_model, ub).items():
+        if mib in seen:
+            continue
+        seen.add(mib)
+        r = run(arch_model, tmp_path, ub, ["--moe-stream-cache-mb", str(mib)], f"stream-{ub}-{mib}")
+        assert r.tokens == base.tokens, (name, mib)
+        assert r.logits == base.logits, f"{name} budget {mib} MiB at ubatch {ub}: logits differ"
+        assert "moe-stream-preamble:" in r.log and "moe-stream: " in r.log
+        assert len(r.stream_layers) == n_layer and all(h + m > 0 for h, m in r.stream_layers.values()), r.stream_layers
+        cliff = "below the cache cycle" in r.log
+        assert cliff == (mib < cycle_mib), f"{name}: budget {mib} MiB, cycle {cycle_mib:.2f} MiB, WARN {cliff}"
+
+
+def test_a_budget_under_the_minimum_fails_the_load_with_the_arithmetic(tmp_path):
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    with pytest.raises(engine.EngineError) as e:
+        run(model, tmp_path, 512, ["--moe-stream-cache-mb", "2"], "under")
+    msg = str(e.value)
+    assert "under the mechanical minimum" in msg and "16 experts" in msg and "give at least 8 MiB" in msg
+
+
+@pytest.mark.parametrize("value,why", [("-5", "non-negative integer"), ("many", "non-negative integer")])
+def test_a_bad_value_is_refused(tmp_path, value, why):
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    with pytest.raises(engine.EngineError) as e:
+        run(model, tmp_path, 1, ["--moe-stream-cache-mb", value], "bad")
+    assert why in str(e.value)
+
+
+def test_auto_and_a_number_are_refused_together(tmp_path):
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    with pytest.raises(engine.EngineError) as e:
+        run(model, tmp_path, 1, ["--moe-stream-cache-mb", "auto", "--moe-stream-cache-mb", "4"], "mixed")
+    assert "mutually exclusive" in str(e.value)
+
+
+def test_a_budget_over_the_experts_is_clamped_and_auto_sizes(tmp_path):
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    base = run(model, tmp_path, 1, [], "base")
+    big = run(model, tmp_path, 1, ["--moe-stream-cache-mb", "100000", "-v"], "big")  # -v: INFO lines
+    assert big.log.count("100000 MiB is more than every streamed expert (15.9 MiB); clamped to that") == 1
+    assert "budget_mb=15.94" in big.log and big.logits == base.logits
+    auto = run(model, tmp_path, 1, ["--moe-stream-cache-mb", "auto", "--moe-stream-floor-mb", "0",
+                                    "--moe-stream-ceil-mb", "5"], "auto")
+    assert "moe-stream: auto: MemAvailable" in auto.log and "ceil 5 MiB" in auto.log
+    assert "budget_mb=5.00" in auto.log and auto.logits == base.logits
+
+
+def test_o_direct_refused_falls_back_to_buffered_reads_with_one_warn(tmp_path):
+    import os
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    base = run(model, tmp_path, 1, [], "base")
+    r = run(model, tmp_path, 1, ["--moe-stream-cache-mb", "4"], "nodirect",
+            env={**os.environ, "PYBMOE_MOE_STREAM_NO_ODIRECT": "1"})
+    assert r.log.count("refused O_DIRECT") == 1 and "direct_io=0" in r.log
+    assert r.logits == base.logits
+    d = run(model, tmp_path, 1, ["--moe-stream-cache-mb", "4"], "direct")
+    assert "direct_io=1" in d.log and "refused O_DIRECT" not in d.log
+
+
+
+@pytest.mark.parametrize("ub,mib", [(1, 2), (1, 3), (1, 5), (512, 8), (512, 12)])
+def test_the_engines_stream_hits_equal_the_simulators_global_lru(tmp_path, ub, mib):
+    """The engine's own trace (its ram_hit column) against ``simulate(policy="global-lru", mib=B,
+    model=M)`` on that trace, every lookup, prefill and decode alike (at ubatch 512 the prompt is
+    one step per layer, with repeated experts inside the step)."""
+    from pybmoe.routing import trace as tr
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **{**SHAPE, "n_layer": 3}))
+    p = tmp_path / f"trace-{ub}-{mib}.csv"
+    r = run(model, tmp_path, ub, ["--moe-stream-cache-mb", str(mib), "--moe-trace", str(p)], f"trace-{ub}-{mib}")
+    t = tr.read_trace(p)
+    assert "ram_hit" in t.frame.columns
+    engine_hit = t.frame["ram_hit"].to_numpy()
+    assert (engine_hit >= 0).all()  # every lookup went through the tier (no VRAM tier here)
+    want = sim.simulate(t, "global-lru", mib=mib, model=model, phase="all")
+    assert want.budget_entries == int(t.meta.extra["stream_entries"])
+    bad = (engine_hit != want.predicted).nonzero()[0]
+    assert bad.size == 0, f"{bad.size} of {len(engine_hit)} lookups differ, first rows {bad[:5].tolist()}"
+    hits, misses = int((engine_hit == 1).sum()), int((engine_hit == 0).sum())
+    assert sum(h for h, _ in r.stream_layers.values()) == hits and sum(m for _, m in r.stream_layers.values()) == misses
+    assert hits > 0 and misses > 0
