@@ -55,7 +55,7 @@ def test_server_metrics_and_props(model_q8, rpc):
     import json
     import urllib.request
 
-    from pybmoe import demo
+    from pybmoe.engine import demo
     srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 8, 2, ["--metrics"]))
     with srv:
         srv.completion("Hello there", n_predict=16)
@@ -188,7 +188,7 @@ def test_server_metrics_while_sleeping_keep_the_cache_counters(model_q8, rpc):
     import time
     import urllib.request
 
-    from pybmoe import demo
+    from pybmoe.engine import demo
     srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 8, 0, ["--metrics", "--sleep-idle-seconds", "1"]))
     with srv:
         srv.completion("Hello there", n_predict=8)
