@@ -8,6 +8,7 @@
 // Must not hold: a concern's own logic (each has its file), or process-wide state: two models in
 // one process have two owners and share nothing.
 
+#include "llama-moe-dense.h"
 #include "llama-moe-hooks.h"
 #include "llama-moe-replay.h"
 #include "llama-moe-source.h"
@@ -49,6 +50,7 @@ struct llama_moe_cache {
 
     llama_moe_vram   vram;
     llama_moe_stream stream;
+    llama_moe_dense  dense;
     llama_moe_trace  trace;
     llama_moe_replay replay;
     llama_moe_log    log;

@@ -18,9 +18,7 @@
 void llama_moe_sources::record(const llama_model_loader & ml, const std::vector<std::string> & paths_in) {
     paths = paths_in;
     for (const auto & [name, w] : ml.weights_map) {
-        if (name.find("_exps.weight") != std::string::npos) {
-            tensors[name] = { w.idx, w.offs, ggml_nbytes(w.tensor) };
-        }
+        tensors[name] = { w.idx, w.offs, ggml_nbytes(w.tensor) };
     }
 }
 

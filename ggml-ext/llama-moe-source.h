@@ -30,10 +30,10 @@ struct llama_moe_source {
     size_t   nbytes;  // whole tensor
 };
 
-// every expert tensor's source, recorded once after load
+// every weight's source (the experts', and the dense weights' for --dense-weights), recorded once after load
 struct llama_moe_sources {
     std::vector<std::string> paths;                 // the GGUF file and its splits
-    std::map<std::string, llama_moe_source> tensors; // expert tensor name ("*_exps.weight") -> source
+    std::map<std::string, llama_moe_source> tensors; // every weight's name -> source
 
     void record(const llama_model_loader & ml, const std::vector<std::string> & paths);
 

@@ -235,19 +235,27 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
 
     int64_t budget = 0;
     if (is_auto) {
+        // the dense weights in host memory are touched by every token: auto leaves room for them, or
+        // the budget would squeeze them out of the page cache and every token would fault them in again
+        double dense = 0.0;
+        for (const auto & [name, t] : model->tensors_by_name) {
+            if (t->buffer != nullptr && ggml_backend_buffer_is_host(t->buffer) && name.find("_exps.weight") == std::string::npos) {
+                dense += ggml_nbytes(t);
+            }
+        }
         const llama_moe_mem_avail m = llama_moe_read_mem_avail();
         const double avail = m.avail() / mib;
-        double b = avail - floor_mib;
+        double b = avail - dense / mib - floor_mib;
         if (ceil_mib > 0) {
             b = std::min(b, (double) ceil_mib);
         }
         b = std::min(b, total / mib);
-        LLAMA_LOG("%s: moe-stream: auto: MemAvailable %.0f MiB%s -> %.0f MiB available - %d MiB floor%s -> %.0f MiB "
-                "(experts %.0f MiB, minimum %.0f MiB)\n", __func__, m.meminfo / mib,
+        LLAMA_LOG("%s: moe-stream: auto: MemAvailable %.0f MiB%s -> %.0f MiB available - %.0f MiB dense weights in host "
+                "memory - %d MiB floor%s -> %.0f MiB (experts %.0f MiB, minimum %.0f MiB)\n", __func__, m.meminfo / mib,
                 m.cgroup_limit ? format(", cgroup %s limit %.0f MiB, usage %.0f MiB of which %.0f MiB inactive file",
                         m.cgroup.c_str(), m.cgroup_limit / mib, m.cgroup_usage / mib, m.cgroup_inactive_file / mib).c_str() : "",
-                avail, floor_mib, ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", std::max(b, 0.0),
-                total / mib, min_bytes / mib);
+                avail, dense / mib, floor_mib, ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "",
+                std::max(b, 0.0), total / mib, min_bytes / mib);
         if (b * mib < (double) min_bytes) {
             LLAMA_LOG_ERROR("%s: moe-stream: auto found %.0f MiB, under the mechanical minimum of %.1f MiB (%lld experts of "
                     "%.2f MiB: the most one layer step needs at ubatch %d); lower --moe-stream-floor-mb, raise the "

@@ -165,6 +165,8 @@ void llama_moe_stream::get_stats(llama_moe_stream_stats & out) const {
     out.read_bytes     = read_bytes;
     out.resident_bytes = (uint64_t) lru.n_resident * entry_bytes;
     out.budget_bytes   = (uint64_t) budget_bytes;
+    out.min_bytes      = (uint64_t) min_bytes;
+    out.total_bytes    = (uint64_t) total_bytes;
     out.n_tokens       = n_tokens;
     out.io_wait_us     = io_wait_us;
     out.major_faults   = (uint64_t) std::max(0L, llama_moe_major_faults() - majflt_at_start);

@@ -134,6 +134,8 @@ struct llama_moe_stream_stats {
     uint64_t read_bytes;      // bytes read into the cache
     uint64_t resident_bytes;  // bytes of experts resident now
     uint64_t budget_bytes;    // the budget now
+    uint64_t min_bytes;       // the mechanical minimum: the most one layer step needs at the ubatch
+    uint64_t total_bytes;     // every streamed expert (a larger budget is clamped to it)
     uint64_t n_tokens;        // tokens the tier served
     uint64_t io_wait_us;      // time the graph waited for reads
     uint64_t major_faults;    // major page faults of the process since the tier started (getrusage)
@@ -149,7 +151,8 @@ struct llama_moe_stream_stats {
 // Turns the stream tier on: the experts of every host-resident MoE layer (all of them on a CPU-only
 // run) are no longer read through the memory map; each layer step's experts are read from the GGUF
 // into a RAM cache of budget_mib MiB (LLAMA_MOE_STREAM_AUTO: MemAvailable, or the cgroup's limit
-// minus its usage when smaller, minus floor_mib, capped by ceil_mib when > 0). The budget must hold
+// minus its usage (less its inactive page cache) when smaller, minus the dense weights in host
+// memory, minus floor_mib, capped by ceil_mib when > 0). The budget must hold
 // the largest set one layer step can need with ubatches of n_ubatch tokens (min(n_expert, top-k x
 // n_ubatch) experts of the widest layer), else LLAMA_MOE_STREAM_ERR_BUDGET with the arithmetic; a
 // budget above every expert's bytes is clamped (INFO). io_threads read lanes (1 .. 64). Call after
@@ -165,6 +168,18 @@ LLAMA_API int32_t llama_model_moe_stream_set_budget_mib(struct llama_model * mod
 
 // Returns false when the tier is off.
 LLAMA_API bool llama_model_moe_stream_get_stats(const struct llama_model * model, struct llama_moe_stream_stats * out);
+
+#define LLAMA_MOE_DENSE_MMAP 0 // the dense weights stay memory-mapped (stock)
+#define LLAMA_MOE_DENSE_WARM 1 // one sequential buffered read of the dense weights at load (page cache warm)
+#define LLAMA_MOE_DENSE_ANON 2 // the dense weights read with O_DIRECT into anonymous memory (not page cache)
+
+// The policy for the non-expert weights in host memory (--dense-weights; the BigMoeOnEdge seed's):
+// mmap changes nothing; warm reads them once, sequentially and buffered, and logs "dense warm-up:
+// X MiB in Y s"; anon reads them with O_DIRECT into anonymous memory and rebinds the tensors there,
+// so a memory limit reclaims page cache before them. Tensors in a repacked buffer are left as they
+// are. Call after llama_model_moe_stream_init (its auto sizing already leaves room for them).
+// Returns the MiB handled, or -1 (logged) on error.
+LLAMA_API int32_t llama_model_moe_dense_weights(struct llama_model * model, int32_t mode);
 
 // Per-layer lookups of the stream tier. Returns false when layer il is not streamed.
 LLAMA_API bool llama_model_moe_stream_get_layer_stats(const struct llama_model * model, int32_t il,

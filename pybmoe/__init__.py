@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # imported lazily: the CLI and the tools do not need the llama_cpp bindings loaded
-    if name in ("Llama", "MoeCacheStats"):
+    if name in ("Llama", "MoeCacheStats", "MoeStreamStats"):
         from .engine import bindings
         return getattr(bindings, name)
     raise AttributeError(f"module 'pybmoe' has no attribute {name!r}")

@@ -17,7 +17,8 @@
 // --moe-stream-resize-at STEP:MIB calls llama_model_moe_stream_set_budget_mib(MIB) after STEP decode
 // steps and prints "moe-stream-resize RC RESIDENT_BYTES".
 // With the stream tier on, stdout also gets "moe-stream-layer IL HITS MISSES" per streamed layer.
-// --abi (alone) prints sizeof and field offsets of struct llama_moe_cache_stats.
+// --abi (alone) prints sizeof and field offsets of struct llama_moe_cache_stats, --abi-stream those of
+// struct llama_moe_stream_stats.
 
 #include "arg.h"
 #include "common.h"
@@ -53,8 +54,19 @@ static bool resize_in_graph_cb(struct ggml_tensor * /*t*/, bool ask, void * user
 }
 
 int main(int argc, char ** argv) {
+    if (argc == 2 && strcmp(argv[1], "--abi-stream") == 0) {
+        // the layout the Python bindings mirror (pybmoe.engine.bindings.MoeStreamStatsC)
+        printf("llama_moe_stream_stats %zu", sizeof(llama_moe_stream_stats));
+#define PYBMOE_OFF(f) printf(" %s=%zu", #f, offsetof(llama_moe_stream_stats, f))
+        PYBMOE_OFF(hits); PYBMOE_OFF(misses); PYBMOE_OFF(read_bytes); PYBMOE_OFF(resident_bytes);
+        PYBMOE_OFF(budget_bytes); PYBMOE_OFF(min_bytes); PYBMOE_OFF(total_bytes); PYBMOE_OFF(n_tokens);
+        PYBMOE_OFF(io_wait_us); PYBMOE_OFF(major_faults); PYBMOE_OFF(n_layers); PYBMOE_OFF(direct_io);
+#undef PYBMOE_OFF
+        printf("\n");
+        return 0;
+    }
     if (argc == 2 && strcmp(argv[1], "--abi") == 0) {
-        // the layout the Python bindings mirror (pybmoe.bindings.MoeCacheStatsC)
+        // the layout the Python bindings mirror (pybmoe.engine.bindings.MoeCacheStatsC)
         printf("llama_moe_cache_stats %zu", sizeof(llama_moe_cache_stats));
 #define PYBMOE_OFF(f) printf(" %s=%zu", #f, offsetof(llama_moe_cache_stats, f))
         PYBMOE_OFF(hits); PYBMOE_OFF(misses); PYBMOE_OFF(uploads); PYBMOE_OFF(upload_bytes);

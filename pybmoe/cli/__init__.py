@@ -10,6 +10,8 @@
     pybmoe simulate TRACE    replay expert-cache policies over a routing trace
     pybmoe size -m MODEL     recommend cache slots per layer (from a trace if given)
     pybmoe sweep -m MODEL    benchmark sweep of the cache with llama-bench (CSV + PNG)
+    pybmoe bench-stream -m MODEL --limit-mb L
+                             the stream tier against stock mmap under a memory limit (CSV + PNG)
     pybmoe backend-ops       test-backend-ops' duplicate-expert-id MUL_MAT_ID cases, per backend
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ _MODULES = {
     "simulate": "simulate",
     "size": "size",
     "sweep": "sweep",
+    "bench-stream": "bench_stream",
     "backend-ops": "backend_ops",
 }
 

@@ -1,5 +1,6 @@
 """``pybmoe demo``: cache off against cache on, on the embedded model, with a loopback RPC device
-(:mod:`pybmoe.engine.demo`); ``--route-replay granite`` replays the bundled granite routing trace
+(:mod:`pybmoe.engine.demo`), then the disk tier against mmap on a model larger than a memory limit
+(:func:`pybmoe.engine.demo.run_stream_demo`); ``--route-replay granite`` replays the bundled granite routing trace
 (:mod:`pybmoe.routing.granite`) on a model of its shape."""
 from __future__ import annotations
 
@@ -41,13 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--route-replay", metavar="granite|FILE",
                     help="replay real routing: 'granite' = the bundled granite-3.0-1b-a400m trace on a model of its "
                          "shape (24 layers, 32 experts, top-8); or a --moe-trace CSV for the model")
+    ap.add_argument("--no-disk-tier", action="store_true",
+                    help="skip the second part: the disk tier (--moe-stream-cache-mb) against mmap on a model larger "
+                         "than a memory limit")
+    ap.add_argument("--disk-limit-mb", type=int, default=demo.STREAM_DEMO_LIMIT_MIB,
+                    help=f"the second part's memory limit, MiB (default {demo.STREAM_DEMO_LIMIT_MIB})")
     a = ap.parse_args(argv)
     try:
         off, on = run_demo(a.model, a.slots, a.inserts, a.prompt, a.n_predict, route_replay=a.route_replay)
+        same = off.text == on.text
+        if not a.no_disk_tier:
+            print()
+            same = demo.run_stream_demo(limit_mib=a.disk_limit_mb).identical and same
     except (engine.EngineError, ValueError, FileNotFoundError) as e:
         print(f"pybmoe demo: error: {e}", file=sys.stderr)
         return 2
-    return 0 if off.text == on.text else 1
+    return 0 if same else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -48,6 +48,55 @@ class MoeCacheStatsC(ctypes.Structure):
     ]
 
 
+class MoeStreamStatsC(ctypes.Structure):
+    """Mirror of ``struct llama_moe_stream_stats`` (ggml-ext/llama-moe.h)."""
+
+    _fields_ = [
+        ("hits", ctypes.c_uint64),
+        ("misses", ctypes.c_uint64),
+        ("read_bytes", ctypes.c_uint64),
+        ("resident_bytes", ctypes.c_uint64),
+        ("budget_bytes", ctypes.c_uint64),
+        ("min_bytes", ctypes.c_uint64),
+        ("total_bytes", ctypes.c_uint64),
+        ("n_tokens", ctypes.c_uint64),
+        ("io_wait_us", ctypes.c_uint64),
+        ("major_faults", ctypes.c_uint64),
+        ("n_layers", ctypes.c_int32),
+        ("direct_io", ctypes.c_int32),
+    ]
+
+
+@dataclass(frozen=True)
+class MoeStreamStats:
+    """The stream tier's counters (cumulative since it started).
+
+    hits / misses: (layer, expert) lookups found in RAM / read from the file first; read_mib,
+    resident_mib, budget_mib, min_mib (the mechanical minimum), total_mib (every streamed expert):
+    MiB; tokens: tokens served; io_wait_s: seconds the graph waited for reads; major_faults: the
+    process's major page faults since the tier started; direct_io: O_DIRECT reads (else buffered).
+    """
+
+    hits: int
+    misses: int
+    read_mib: float
+    resident_mib: float
+    budget_mib: float
+    min_mib: float
+    total_mib: float
+    tokens: int
+    io_wait_s: float
+    major_faults: int
+    n_layers: int
+    direct_io: bool
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / lookups, 0..1 (0 when nothing was looked up)."""
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+
 class _Override(ctypes.Structure):
     """``struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }``"""
 
@@ -102,6 +151,12 @@ def _llama_lib() -> ctypes.CDLL:
         lib.llama_model_moe_cache_set_slots.restype = ctypes.c_int32
         lib.llama_model_moe_cache_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeCacheStatsC)]
         lib.llama_model_moe_cache_get_stats.restype = ctypes.c_bool
+        lib.llama_model_moe_stream_init.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 5
+        lib.llama_model_moe_stream_init.restype = ctypes.c_int32
+        lib.llama_model_moe_stream_set_budget_mib.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.llama_model_moe_stream_set_budget_mib.restype = ctypes.c_int32
+        lib.llama_model_moe_stream_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeStreamStatsC)]
+        lib.llama_model_moe_stream_get_stats.restype = ctypes.c_bool
         _libs["llama"] = lib
     return lib
 
@@ -212,6 +267,13 @@ class Llama(llama_cpp.Llama):
         override_tensor: ``"pattern=BUFT,..."`` or a list of ``(pattern, buft name)`` (``-ot``).
         rpc_servers: ``"host:port,..."``: ggml-rpc-server devices to offload to (``--rpc``).
         repack: let host weights use repacked layouts (``--no-repack`` is ``repack=False``).
+        moe_stream_cache_mb: the stream tier's RAM budget in MiB (int >= 0), or ``"auto"``
+            (available memory minus the dense weights minus ``moe_stream_floor_mb``, capped by
+            ``moe_stream_ceil_mb``); 0 = off. The experts of host-resident MoE layers are read from
+            the GGUF into it as layers need them (``--moe-stream-cache-mb``); repack is turned off.
+            Under the mechanical minimum (the most one layer step needs at ``n_ubatch``) it is a
+            ValueError.
+        moe_stream_io_threads: the stream tier's read lanes (1 .. 64).
 
     Raises:
         ValueError: a bad cache value or override, an unreachable RPC server, or a model that
@@ -224,13 +286,22 @@ class Llama(llama_cpp.Llama):
                  moe_expert_cache_floor_mb: int = 1024, moe_expert_cache_ceil_mb: int = 0,
                  cpu_moe: bool = False, n_cpu_moe: int = 0,
                  override_tensor: str | Sequence[tuple[str, str]] | None = None,
-                 rpc_servers: str | None = None, repack: bool = True, **kwargs):
+                 rpc_servers: str | None = None, repack: bool = True, moe_stream_cache_mb: int | str = 0,
+                 moe_stream_floor_mb: int = 1536, moe_stream_ceil_mb: int = 0, moe_stream_io_threads: int = 4,
+                 **kwargs):
         self._stack = contextlib.ExitStack()  # llama_cpp's __del__ needs it even when we raise first
         slots = _check_count("moe_expert_cache", moe_expert_cache, allow_auto=True)
         inserts = _check_count("moe_expert_cache_inserts", moe_expert_cache_inserts)
         floor_mb = _check_count("moe_expert_cache_floor_mb", moe_expert_cache_floor_mb)
         ceil_mb = _check_count("moe_expert_cache_ceil_mb", moe_expert_cache_ceil_mb)
         n_cpu_moe = _check_count("n_cpu_moe", n_cpu_moe)
+        stream_mb = _check_count("moe_stream_cache_mb", moe_stream_cache_mb, allow_auto=True)
+        stream_floor = _check_count("moe_stream_floor_mb", moe_stream_floor_mb)
+        stream_ceil = _check_count("moe_stream_ceil_mb", moe_stream_ceil_mb)
+        io_threads = _check_count("moe_stream_io_threads", moe_stream_io_threads)
+        if not 1 <= io_threads <= 64:
+            raise ValueError(f"moe_stream_io_threads={moe_stream_io_threads!r} is invalid; accepted: 1 .. 64")
+        n_ubatch = int(kwargs.get("n_ubatch", 512))
         for ep in (rpc_servers.split(",") if rpc_servers else []):
             add_rpc_server(ep.strip())
 
@@ -257,8 +328,8 @@ class Llama(llama_cpp.Llama):
             def __init__(self, *, path_model, params, verbose=True):
                 if pairs:
                     params.tensor_buft_overrides = ctypes.addressof(wrapper._moe_overrides)
-                if not repack:
-                    params.use_extra_bufts = False
+                if not repack or stream_mb != 0:
+                    params.use_extra_bufts = False  # streamed experts must keep the GGUF layout
                 super().__init__(path_model=path_model, params=params, verbose=verbose)
                 # the cache belongs to the model: enable it before the context reserves its graphs
                 if slots != 0:
@@ -274,6 +345,18 @@ class Llama(llama_cpp.Llama):
                         raise ValueError(f"moe_expert_cache={moe_expert_cache!r} was requested but the expert cache "
                                          "did not engage (no host-resident MoE layer with a device router, or no room; "
                                          "the engine's log says which)")
+                if stream_mb != 0:
+                    lib = _llama_lib()
+                    rc = lib.llama_model_moe_stream_init(self.model, stream_mb, stream_floor, stream_ceil, io_threads,
+                                                         n_ubatch)
+                    if rc == -3:
+                        self.close()
+                        raise ValueError(f"moe_stream_cache_mb={moe_stream_cache_mb!r} is under the mechanical minimum "
+                                         f"at n_ubatch={n_ubatch} (the engine's log gives the arithmetic)")
+                    if rc < 0:
+                        self.close()
+                        raise ValueError(f"moe_stream_cache_mb={moe_stream_cache_mb!r} was requested but the stream "
+                                         "tier did not engage (the engine's log says why)")
 
         with _lock:
             _internals.LlamaModel = _Model
@@ -291,6 +374,38 @@ class Llama(llama_cpp.Llama):
         return MoeCacheStats(st.hits, st.misses, st.uploads, st.upload_bytes / mib, st.resident_bytes / mib,
                              st.alloc_bytes / mib, st.n_steps, st.n_layers, st.n_slots, st.n_inserts, st.n_expert,
                              st.n_expert_used)
+
+    def moe_stream_stats(self) -> MoeStreamStats:
+        """The stream tier's counters. Raises ValueError when the tier is off."""
+        st = MoeStreamStatsC()
+        if not _llama_lib().llama_model_moe_stream_get_stats(self._model.model, ctypes.byref(st)):
+            raise ValueError("the stream tier is off for this model")
+        mib = 1024.0 * 1024.0
+        return MoeStreamStats(st.hits, st.misses, st.read_bytes / mib, st.resident_bytes / mib, st.budget_bytes / mib,
+                              st.min_bytes / mib, st.total_bytes / mib, st.n_tokens, st.io_wait_us / 1e6,
+                              st.major_faults, st.n_layers, bool(st.direct_io))
+
+    def set_moe_stream_budget_mb(self, budget_mb: int) -> int:
+        """Sets the stream tier's budget (MiB) between generations; a shrink evicts the least
+        recently used experts at once, and a budget above every expert is clamped. Returns the
+        new budget in MiB.
+
+        Raises:
+            ValueError: a bad value (the message names the accepted range), or the tier is off.
+            RuntimeError: called while a graph is being computed (during a generation).
+        """
+        n = _check_count("budget_mb", budget_mb)
+        st = self.moe_stream_stats()  # ValueError when off
+        lo = int(-(-st.min_mib // 1))
+        if n < lo:
+            raise ValueError(f"budget_mb={budget_mb} is under the mechanical minimum; accepted: {lo} .. "
+                             f"{int(-(-st.total_mib // 1))} MiB (more is clamped to every expert's bytes)")
+        rc = _llama_lib().llama_model_moe_stream_set_budget_mib(self._model.model, n)
+        if rc == -2:
+            raise RuntimeError("set_moe_stream_budget_mb was called during a generation; call it between generations")
+        if rc < 0:
+            raise ValueError(f"budget_mb={budget_mb} was refused (see the log)")
+        return rc
 
     def set_moe_cache_slots(self, n_slots: int) -> int:
         """Sets the slots per layer between generations (0 .. the slots allocated at load); shrinking

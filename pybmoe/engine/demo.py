@@ -83,6 +83,117 @@ def run_demo(model: Path | None = None, slots: int | None = None, inserts: int =
     out(f"cache on  : {on.tokens_predicted} tokens, {on.decode_tok_s:.1f} tok/s decode, {slots} slots/layer, "
         f"inserts {inserts or 'unlimited'}: {s.hit_pct:.1f}% hit, resident {s.resident_mib:.1f} MiB, "
         f"uploads {s.uploads} ({s.upload_mib:.1f} MiB)")
+    out("why       : the loopback device is this same CPU behind a socket, so the cache only adds work here "
+        "(a GPU is where it pays); without a GPU the speed-up to see is the disk tier's (pybmoe demo's second part)")
     out(f"output    : {'IDENTICAL' if same else 'DIFFERENT'} ({len(on.text.encode())} bytes)")
     out(f"text      : {on.text[:200]!r}  (random weights: the text is noise; what matters is that it is identical)")
     return off, on
+
+
+# --------------------------------------------------------------------------- the disk tier
+
+#: The disk-tier demo's model (written by ``pybmoe-make-synth``, cached): 16 layers, 64 experts,
+#: top-8, n_embd 512, expert ff 512, Q8_0: 0.80 MiB per expert, 816 MiB of experts, 0.98 GiB in all.
+STREAM_DEMO_SHAPE = dict(n_layer=16, n_expert=64, top_k=8, n_embd=512, n_ff_exp=512, n_head=8, n_head_kv=4,
+                         head_dim=64)
+#: Its memory limit (MiB): the model is 2.5x larger. Its stream budget (MiB): above the cache cycle
+#: (16 layers x top-8 x 0.80 MiB = 102 MiB), with room left under the limit for the dense weights.
+STREAM_DEMO_LIMIT_MIB = 400
+STREAM_DEMO_BUDGET_MIB = 128
+
+
+@dataclass(frozen=True)
+class StreamDemoResult:
+    """The disk-tier part of the demo: decode tok/s of stock mmap and of the stream tier under the
+    same limit, their ratio, the tier's hit rate and MiB read per token, and whether the two runs'
+    tokens and logits are identical."""
+
+    limit_mib: int | None        # None: no limit could be set here
+    mmap_tok_s: float
+    stream_tok_s: float
+    hit_pct: float
+    read_mib_per_token: float
+    identical: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.stream_tok_s / self.mmap_tok_s if self.mmap_tok_s > 0 else float("nan")
+
+
+def stream_demo_model() -> Path:
+    """The disk-tier demo's model (:data:`STREAM_DEMO_SHAPE`), written once into the models cache by
+    ``pybmoe-make-synth`` (about 1 GiB, a few seconds). Raises :class:`EngineError` when it fails."""
+    import subprocess
+    from .. import models
+    s = STREAM_DEMO_SHAPE
+    path = models.cache_dir() / (f"pybmoe-synth-L{s['n_layer']}-E{s['n_expert']}-K{s['top_k']}-D{s['n_embd']}"
+                                 f"-F{s['n_ff_exp']}-Q8_0.gguf")
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    vocab = models.default_vocab_path()
+    tmp = path.with_suffix(".tmp")
+    cmd = [str(engine.find_binary("pybmoe-make-synth")), str(tmp), "--vocab", str(vocab), "--type", "q8_0",
+           "--threads", "2", *[a for k, v in s.items() for a in (f"--{k.replace('_', '-')}", str(v))]]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise engine.EngineError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    tmp.rename(path)
+    return path
+
+
+def _bench_tg(model: Path, n_gen: int, extra: list[str], limit) -> tuple[float, str]:
+    import io
+    import subprocess
+
+    import pandas as pd
+    from . import memlimit
+    cmd = [str(engine.find_binary("llama-bench")), "-m", str(model), "-p", "0", "-n", str(n_gen), "-r", "1", "-o", "csv",
+           "-v", "-t", "2", "-ngl", "0", "--repack", "0", *extra]
+    memlimit.drop_caches()
+    if limit is not None:
+        cmd = limit.wrap(cmd)
+    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    text = "\n".join(ln for ln in r.stdout.splitlines() if ln.strip())
+    if r.returncode != 0 or not text:
+        raise engine.EngineError(f"llama-bench failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr[-3000:]}")
+    return float(pd.read_csv(io.StringIO(text)).avg_ts.iloc[0]), r.stderr
+
+
+def run_stream_demo(model: Path | None = None, limit_mib: int = STREAM_DEMO_LIMIT_MIB,
+                    budget_mib: int = STREAM_DEMO_BUDGET_MIB, n_gen: int = 16, out=print) -> StreamDemoResult:
+    """The disk tier on a model larger than a memory limit: decode with stock mmap, then with
+    ``--moe-stream-cache-mb budget_mib``, both from a cold page cache under ``limit_mib`` (a cgroup;
+    where one cannot be made, both run without it and the demo says so), then the two runs' tokens
+    and logits compared (``pybmoe-logits``, no limit). Prints five lines; returns the figures.
+    Raises :class:`EngineError` when a run fails."""
+    import tempfile
+    from . import memlimit
+    model = Path(model) if model else stream_demo_model()
+    ok, why = memlimit.limit_available()
+    limit = memlimit.MemoryLimit(limit_mib) if ok else None
+    size_mib = model.stat().st_size / 2**20
+    out(f"disk tier : {model.name} ({size_mib:.0f} MiB) under a {limit_mib} MiB memory limit "
+        f"({size_mib / limit_mib:.1f}x larger), cold page cache" if limit else
+        f"disk tier : {model.name} ({size_mib:.0f} MiB); no memory limit here ({why}), so mmap does not thrash "
+        f"and the ratio below is not the speed-up a small machine sees")
+    try:
+        mmap_ts, _ = _bench_tg(model, n_gen, [], limit)
+        stream_ts, log = _bench_tg(model, n_gen, ["--moe-stream-cache-mb", str(budget_mib)], limit)
+    finally:
+        if limit is not None:
+            limit.close()
+    rec = engine.stream_record(log)
+    with tempfile.TemporaryDirectory() as d:
+        args = ["-ngl", "0", "--no-repack"]
+        a = engine.run_logits(model, Path(d) / "a.bin", args, n_predict=8)
+        b = engine.run_logits(model, Path(d) / "b.bin", [*args, "--moe-stream-cache-mb", str(budget_mib)], n_predict=8)
+    same = a.tokens == b.tokens and a.logits == b.logits
+    res = StreamDemoResult(limit_mib if limit else None, mmap_ts, stream_ts, rec["stream_hit_pct"] or 0.0,
+                           rec["stream_read_mib_per_token"] or 0.0, same)
+    out(f"mmap      : {mmap_ts:.2f} tok/s decode (stock llama.cpp: the page cache thrashes)")
+    out(f"stream    : {stream_ts:.2f} tok/s decode, --moe-stream-cache-mb {budget_mib}: {res.hit_pct:.1f}% hit, "
+        f"{res.read_mib_per_token:.1f} MiB read/token")
+    out(f"ratio     : {res.ratio:.2f}x")
+    out(f"output    : {'IDENTICAL' if same else 'DIFFERENT'} (tokens and logits, mmap vs stream)")
+    return res

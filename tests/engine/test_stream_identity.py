@@ -143,3 +143,20 @@ def test_the_engines_stream_hits_equal_the_simulators_global_lru(tmp_path, ub, m
     hits, misses = int((engine_hit == 1).sum()), int((engine_hit == 0).sum())
     assert sum(h for h, _ in r.stream_layers.values()) == hits and sum(m for _, m in r.stream_layers.values()) == misses
     assert hits > 0 and misses > 0
+
+
+@pytest.mark.parametrize("policy,line", [("warm", "dense warm-up: "), ("anon", "dense weights into anonymous memory: ")])
+def test_the_dense_policies_change_no_logit(tmp_path, policy, line):
+    model = models.cached_model_path(models.ModelSpec(arch="gpt-oss", **SHAPE))
+    base = run(model, tmp_path, 7, [], "base")
+    r = run(model, tmp_path, 7, ["--moe-stream-cache-mb", "8", "--dense-weights", policy], policy)
+    assert r.log.count(line) == 1 and r.logits == base.logits and r.tokens == base.tokens
+    alone = run(model, tmp_path, 7, ["--dense-weights", policy], f"{policy}-alone")  # without the stream tier too
+    assert alone.logits == base.logits
+
+
+def test_a_bad_dense_policy_is_refused(tmp_path):
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    with pytest.raises(engine.EngineError) as e:
+        run(model, tmp_path, 1, ["--dense-weights", "ram"], "bad")
+    assert "expects mmap, warm or anon" in str(e.value)

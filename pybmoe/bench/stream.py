@@ -1,0 +1,287 @@
+"""``pybmoe bench-stream``: the stream tier against stock mmap on a model larger than a memory limit.
+
+Every point runs ``llama-bench`` on the CPU (``-ngl 0 --repack 0``), prompt processing and token
+generation as separate runs (``-p N -n 0`` and ``-p 0 -n N``, one repetition each, so prefill never
+leaks into a decode figure), under one memory limit (:class:`pybmoe.engine.memlimit.MemoryLimit`: a
+cgroup that counts the page cache too) and from a cold page cache (:func:`drop_caches`) unless
+stated:
+
+- ``mmap``: stock llama.cpp, the experts memory-mapped;
+- ``stream:B``: ``--moe-stream-cache-mb B`` (``B`` MiB or ``auto``), the experts read from the GGUF
+  into a RAM cache of that budget, the dense weights memory-mapped;
+- ``stream:B+warm``, ``stream:B+anon``: the same with ``--dense-weights warm|anon`` (the dense
+  policies, at the first budget given);
+- ``resident``: mmap without the limit and with a warm page cache: every expert in RAM, the
+  ceiling.
+
+Points are interleaved: each repeat runs every point once, in reversed order on odd repeats, so
+slow drift of the machine falls on all of them.
+
+Outputs, in the output folder:
+
+- ``stream-runs.csv``: one row per run and mode: ``point``, ``mode`` (``pp`` | ``tg``),
+  ``repeat``, ``limit_mib``, llama-bench's columns (``avg_ts`` tok/s, ``n_prompt``, ``n_gen``,
+  ...), ``tokens`` (the run's tokens, llama-bench's warm-up included), ``major_faults`` and
+  ``read_mib`` (the process's ``getrusage`` major faults and block input, warm-up included),
+  ``majflt_per_token``, ``read_mib_per_token``, ``peak_mib`` (the cgroup's peak use), and the
+  stream tier's columns of :func:`pybmoe.engine.stream_record` (``stream_hit_pct``,
+  ``stream_read_mib_per_token``, ``stream_io_wait_s``, ``stream_budget_mb``, ...).
+- ``stream-summary.csv``: per point and mode, ``n`` runs, ``median_ts`` / ``min_ts`` /
+  ``max_ts`` tok/s, ``ratio`` = ``median_ts`` / the ``mmap`` median of the same mode,
+  ``median_hit_pct``, ``median_read_mib_per_token``, ``median_majflt_per_token`` and
+  ``median_io_wait_s``.
+- ``stream-tg.png`` and ``stream-pp.png``: tok/s per point (median, min-max bars) with the ratio
+  over mmap written on each bar.
+- ``logs/``: each run's stderr.
+
+Where cgroups cannot be created (not root, no memory controller) the benchmark says so and runs
+without a limit; where the page cache cannot be dropped it says so and runs warm.
+
+Errors: :class:`ValueError` for bad arguments (before anything runs); :class:`pybmoe.engine.EngineError`
+when ``llama-bench`` fails (the command and its log's tail).
+"""
+from __future__ import annotations
+
+import io
+import os
+import resource
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .. import engine
+from ..engine import memlimit
+
+MODES = ("pp", "tg")
+
+
+@dataclass(frozen=True)
+class StreamPoint:
+    """One configuration: ``kind`` ``mmap`` | ``stream`` | ``resident``; ``budget`` the stream
+    budget (MiB as a string, or ``auto``)."""
+
+    kind: str
+    budget: str = ""
+    dense: str = "mmap"
+
+    @property
+    def name(self) -> str:
+        if self.kind != "stream":
+            return self.kind
+        return f"stream:{self.budget}" + (f"+{self.dense}" if self.dense != "mmap" else "")
+
+    @property
+    def limited(self) -> bool:
+        return self.kind != "resident"
+
+
+DENSE = ("mmap", "warm", "anon")
+
+
+def points(budgets: Sequence[str], include_resident: bool = True, dense: Sequence[str] = ()) -> list[StreamPoint]:
+    """mmap, one stream point per budget, one more per dense policy (at the first budget), and
+    (optionally) the resident ceiling.
+
+    Raises :class:`ValueError` for a budget that is neither ``auto`` nor a positive integer, or an
+    unknown dense policy."""
+    out = [StreamPoint("mmap")]
+    for b in budgets:
+        b = str(b).strip()
+        if b != "auto" and not (b.isdigit() and int(b) > 0):
+            raise ValueError(f"budget {b!r}; accepted: a positive number of MiB or 'auto'")
+        out.append(StreamPoint("stream", b))
+    for d in dense:
+        if d not in DENSE:
+            raise ValueError(f"dense policy {d!r}; accepted: {', '.join(DENSE)}")
+        if d != "mmap" and budgets:
+            out.append(StreamPoint("stream", str(budgets[0]).strip(), d))
+    if include_resident:
+        out.append(StreamPoint("resident"))
+    return out
+
+
+def bench_command(model: Path, point: StreamPoint, mode: str, *, n_prompt: int, n_gen: int, threads: int,
+                  ubatch: int, io_threads: int, floor_mib: int, route_replay: Path | None) -> list[str]:
+    """The ``llama-bench`` command line of one run."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}; accepted: {', '.join(MODES)}")
+    pn = ["-p", str(n_prompt), "-n", "0"] if mode == "pp" else ["-p", "0", "-n", str(n_gen)]
+    cmd = [str(engine.find_binary("llama-bench")), "-m", str(model), *pn, "-r", "1", "-o", "csv", "-v",
+           "-t", str(threads), "-ub", str(ubatch), "-b", str(max(ubatch, 1)), "-ngl", "0", "--repack", "0"]
+    if point.kind == "stream":
+        cmd += ["--moe-stream-cache-mb", point.budget, "--moe-stream-io-threads", str(io_threads),
+                "--moe-stream-floor-mb", str(floor_mib)]
+        if point.dense != "mmap":
+            cmd += ["--dense-weights", point.dense]
+    if route_replay is not None:
+        cmd += ["--moe-route-replay", str(route_replay)]
+    return cmd
+
+
+def _warm(model: Path) -> None:
+    """Reads the model once through the page cache (the resident ceiling's warm start)."""
+    with open(model, "rb") as f:
+        while f.read(16 << 20):
+            pass
+
+
+def run_point(model: Path, point: StreamPoint, mode: str, *, limit: memlimit.MemoryLimit | None, cold: bool,
+              log_path: Path, **kw) -> dict:
+    """One ``llama-bench`` run: its CSV row plus the resource and stream columns (see the module doc).
+
+    Raises :class:`pybmoe.engine.EngineError` when it fails."""
+    cmd = bench_command(model, point, mode, **kw)
+    if point.kind == "resident":
+        _warm(model)
+    elif cold:
+        memlimit.drop_caches()
+    if limit is not None and point.limited:
+        limit.reset_peak()
+        cmd = limit.wrap(cmd)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.write_text(r.stderr)
+    text = "\n".join(ln for ln in r.stdout.splitlines() if ln.strip())
+    rows = pd.read_csv(io.StringIO(text)).to_dict("records") if r.returncode == 0 and text else []
+    if len(rows) != 1:
+        raise engine.EngineError(f"llama-bench exited with code {r.returncode} ({len(rows)} result rows): "
+                                 f"{' '.join(cmd)}\n{r.stderr[-4000:]}")
+    row = dict(rows[0])
+    # llama-bench warms up with one ubatch (pp) or one token (tg) before the measured run
+    tokens = (int(row.get("n_prompt", 0)) + 1) if mode == "pp" else int(row.get("n_gen", 0)) + 1
+    majflt = after.ru_majflt - before.ru_majflt
+    read_mib = (after.ru_inblock - before.ru_inblock) * 512 / 2**20
+    row.update(point=point.name, kind=point.kind, budget=point.budget, dense=point.dense, mode=mode, tokens=tokens,
+               major_faults=majflt, read_mib=read_mib, majflt_per_token=majflt / tokens,
+               read_mib_per_token=read_mib / tokens,
+               peak_mib=limit.peak_mib() if limit is not None and point.limited else np.nan,
+               **engine.stream_record(r.stderr))
+    return row
+
+
+@dataclass
+class StreamBenchResult:
+    runs: pd.DataFrame
+    summary: pd.DataFrame
+    out_dir: Path
+    limit_mib: int | None
+    notes: list[str]
+
+
+def summarize(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per point and mode: medians, ranges and the ratio over the mmap median (see the module doc)."""
+    g = runs.groupby(["point", "mode"], sort=False)
+    s = g.agg(n=("avg_ts", "size"), median_ts=("avg_ts", "median"), min_ts=("avg_ts", "min"),
+              max_ts=("avg_ts", "max"), median_hit_pct=("stream_hit_pct", "median"),
+              median_read_mib_per_token=("read_mib_per_token", "median"),
+              median_stream_read_mib_per_token=("stream_read_mib_per_token", "median"),
+              median_majflt_per_token=("majflt_per_token", "median"),
+              median_io_wait_s=("stream_io_wait_s", "median"), median_peak_mib=("peak_mib", "median")).reset_index()
+    base = s[s.point == "mmap"].set_index("mode")["median_ts"]
+    s["ratio"] = [r.median_ts / base.get(r.mode, np.nan) for r in s.itertuples()]
+    return s
+
+
+def plot(summary: pd.DataFrame, out_dir: Path, title: str) -> list[Path]:
+    """``stream-<mode>.png``: tok/s per point with min-max bars and the ratio over mmap."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    for mode in MODES:
+        d = summary[summary["mode"] == mode]
+        if d.empty:
+            continue
+        fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(d)), 3.6))
+        x = np.arange(len(d))
+        err = np.vstack([d.median_ts - d.min_ts, d.max_ts - d.median_ts])
+        ax.bar(x, d.median_ts, yerr=err, capsize=3, color=["#999999" if p == "mmap" else "#4477aa" for p in d.point])
+        for xi, r in zip(x, d.itertuples()):
+            ax.annotate(f"{r.ratio:.2f}x", (xi, r.median_ts), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 2), textcoords="offset points")
+        ax.set_xticks(x, d.point, rotation=20, ha="right")
+        ax.set_ylabel(f"{'decode' if mode == 'tg' else 'prefill'} tok/s (median)")
+        ax.set_title(title, fontsize=9)
+        fig.tight_layout()
+        p = out_dir / f"stream-{mode}.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_mib: int | None,
+                 budgets: Sequence[str] = ("auto",), n_prompt: int = 64, n_gen: int = 32, repeats: int = 3,
+                 threads: int = 2, ubatch: int = 512, io_threads: int = 4, floor_mib: int = 0,
+                 route_replay: str | os.PathLike | None = None, include_resident: bool = True, cold: bool = True,
+                 dense: Sequence[str] = (), progress: Callable[[int], None] | None = None) -> StreamBenchResult:
+    """Run the benchmark (see the module doc) and write its CSVs and plots to ``out_dir``.
+
+    ``limit_mib``: the memory limit (None: no limit); ``floor_mib``: ``--moe-stream-floor-mb``
+    for ``auto`` (the cgroup's own limit is what auto reads there). ``progress`` is called with 1
+    after each run. Raises :class:`ValueError` for bad arguments and
+    :class:`pybmoe.engine.EngineError` when a run fails.
+    """
+    model = Path(model)
+    if not model.is_file():
+        raise ValueError(f"model {model} does not exist; accepted: a GGUF file")
+    for name, v, lo in (("n_prompt", n_prompt, 1), ("n_gen", n_gen, 1), ("repeats", repeats, 1),
+                        ("threads", threads, 1), ("ubatch", ubatch, 1), ("io_threads", io_threads, 1)):
+        if v < lo:
+            raise ValueError(f"{name} {v}; accepted: >= {lo}")
+    pts = points(budgets, include_resident, dense)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    limit = None
+    if limit_mib is not None:
+        ok, why = memlimit.limit_available()
+        if ok:
+            limit = memlimit.MemoryLimit(limit_mib)
+        else:
+            notes.append(f"no memory limit: {why}; running without one")
+            limit_mib = None
+    if cold and not memlimit.drop_caches():
+        notes.append("the page cache cannot be dropped here (not root); runs start warm")
+        cold = False
+    for n in notes:
+        print(f"pybmoe bench-stream: {n}", file=sys.stderr)
+    rp = Path(route_replay) if route_replay is not None else None
+    rows = []
+    try:
+        for rep in range(repeats):
+            order = pts if rep % 2 == 0 else pts[::-1]
+            for pt in order:
+                for mode in MODES:
+                    row = run_point(model, pt, mode, limit=limit, cold=cold,
+                                    log_path=out / "logs" / f"{pt.name.replace(':', '-')}-{mode}-{rep}.log",
+                                    n_prompt=n_prompt, n_gen=n_gen, threads=threads, ubatch=ubatch,
+                                    io_threads=io_threads, floor_mib=floor_mib, route_replay=rp)
+                    row.update(repeat=rep, limit_mib=limit_mib if pt.limited else None)
+                    rows.append(row)
+                    if progress:
+                        progress(1)
+    finally:
+        if limit is not None:
+            limit.close()
+    runs = pd.DataFrame(rows)
+    runs.to_csv(out / "stream-runs.csv", index=False)
+    summary = summarize(runs)
+    summary.to_csv(out / "stream-summary.csv", index=False)
+    title = f"{model.name}: limit {limit_mib} MiB" if limit_mib else f"{model.name}: no memory limit"
+    plot(summary, out, title)
+    return StreamBenchResult(runs, summary, out, limit_mib, notes)
+
+
+def format_summary(summary: pd.DataFrame) -> str:
+    """The summary as a fixed-width table (tok/s, ratio, hit %, MiB and faults per token)."""
+    cols = ["point", "mode", "n", "median_ts", "ratio", "median_hit_pct", "median_read_mib_per_token",
+            "median_majflt_per_token", "median_io_wait_s", "median_peak_mib"]
+    return summary[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}")

@@ -1,0 +1,116 @@
+"""Run an engine binary under a memory limit, as on a device smaller than the model.
+
+A :class:`MemoryLimit` is a child cgroup with a memory limit (cgroup v1's memory controller at
+``/sys/fs/cgroup/memory``, or a cgroup v2 folder with ``memory.max``). :meth:`MemoryLimit.wrap`
+turns a command into one that joins the cgroup before it starts, so the page cache the process
+fills counts against the limit too: a memory-mapped model larger than the limit thrashes, as it
+would on a phone or a small laptop. :func:`drop_caches` empties the page cache (root only), for
+cold-cache runs.
+
+Creating a cgroup needs root. :func:`limit_available` says whether it can be done here, and why
+not; callers say so and run without a limit.
+
+Errors: :class:`MemoryLimitError` (a :class:`RuntimeError`) names the path it could not write.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import uuid
+from pathlib import Path
+
+V1_ROOT = Path("/sys/fs/cgroup/memory")
+V2_ROOT = Path("/sys/fs/cgroup")
+
+
+class MemoryLimitError(RuntimeError):
+    """A cgroup could not be created, limited or joined."""
+
+
+def _v2() -> bool:
+    return (V2_ROOT / "cgroup.controllers").is_file() and "memory" in (V2_ROOT / "cgroup.controllers").read_text()
+
+
+def limit_available() -> tuple[bool, str]:
+    """(True, "") when this process can create a memory-limited cgroup, else (False, why)."""
+    root = V1_ROOT if V1_ROOT.is_dir() else (V2_ROOT if _v2() else None)
+    if root is None:
+        return False, "no cgroup memory controller is mounted (neither /sys/fs/cgroup/memory nor cgroup v2 memory)"
+    if not os.access(root, os.W_OK):
+        return False, f"{root} is not writable (memory limits need root)"
+    return True, ""
+
+
+class MemoryLimit:
+    """A child cgroup limited to ``limit_mib`` MiB (page cache included); a context manager that
+    removes the cgroup on exit.
+
+    Raises :class:`MemoryLimitError` when the cgroup cannot be created or limited, and
+    :class:`ValueError` for a limit < 16 MiB.
+    """
+
+    def __init__(self, limit_mib: int, name: str | None = None):
+        if limit_mib < 16:
+            raise ValueError(f"limit_mib {limit_mib}; accepted: >= 16 MiB")
+        ok, why = limit_available()
+        if not ok:
+            raise MemoryLimitError(why)
+        self.limit_mib = int(limit_mib)
+        self.v1 = V1_ROOT.is_dir()
+        root = V1_ROOT if self.v1 else V2_ROOT
+        self.path = root / (name or f"pybmoe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            self.path.mkdir(exist_ok=True)
+            limit = str(self.limit_mib * 2**20)
+            if self.v1:
+                (self.path / "memory.limit_in_bytes").write_text(limit)
+            else:
+                (self.path / "memory.max").write_text(limit)
+                (self.path / "memory.swap.max").write_text("0")
+        except OSError as e:
+            raise MemoryLimitError(f"cannot create the memory cgroup {self.path}: {e}") from e
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """``cmd`` run inside the cgroup (``sh -c 'echo $$ > cgroup.procs; exec cmd'``)."""
+        procs = self.path / "cgroup.procs"
+        return ["sh", "-c", f"echo $$ > {shlex.quote(str(procs))} && exec {shlex.join(cmd)}"]
+
+    def peak_mib(self) -> float | None:
+        """The cgroup's peak memory use so far, MiB (v1 ``memory.max_usage_in_bytes``, v2
+        ``memory.peak``), or None when the kernel does not report it."""
+        f = self.path / ("memory.max_usage_in_bytes" if self.v1 else "memory.peak")
+        try:
+            return int(f.read_text().split()[0]) / 2**20
+        except (OSError, ValueError):
+            return None
+
+    def reset_peak(self) -> None:
+        """Starts a new peak (v1 only; v2 keeps the peak of the cgroup's life)."""
+        if self.v1:
+            try:
+                (self.path / "memory.max_usage_in_bytes").write_text("0")
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass  # a process still in it; the kernel removes nothing, the next run reuses no name
+
+    def __enter__(self) -> "MemoryLimit":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def drop_caches() -> bool:
+    """Writes back dirty pages and empties the page cache (``sync``; ``echo 3 >
+    /proc/sys/vm/drop_caches``); False when not permitted."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+        return True
+    except OSError:
+        return False

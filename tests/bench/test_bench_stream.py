@@ -1,0 +1,70 @@
+"""``pybmoe bench-stream`` end to end on the tiny model under a memory limit (the CI case): the CSVs,
+the plots, the ratios over mmap, and the stream tier's columns. Timings are not asserted here; the
+figures live in docs/benchmarks/."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pybmoe import models
+from pybmoe.bench import stream
+from pybmoe.cli import bench_stream as cli
+from pybmoe.engine import memlimit
+
+SHAPE = dict(n_layer=2, n_expert=16, n_expert_used=3, n_embd=512, n_ff_exp=320)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    out = tmp_path_factory.mktemp("bench-stream")
+    return stream.bench_stream(model, out, limit_mib=1024, budgets=["8", "auto"], n_prompt=16, n_gen=4, repeats=2,
+                               ubatch=16, floor_mib=0)
+
+
+def test_every_point_and_mode_ran_and_was_written(result):
+    runs = pd.read_csv(result.out_dir / "stream-runs.csv")
+    assert set(runs.point) == {"mmap", "stream:8", "stream:auto", "resident"}
+    assert len(runs) == 4 * 2 * 2 and set(runs["mode"]) == {"pp", "tg"}
+    assert (runs.avg_ts > 0).all()
+    for p in ("stream-summary.csv", "stream-pp.png", "stream-tg.png"):
+        assert (result.out_dir / p).stat().st_size > 0
+
+
+def test_the_stream_points_carry_the_tiers_figures_and_mmap_none(result):
+    r = result.runs
+    s = r[r.kind == "stream"]
+    assert s.stream_hit_pct.notna().all() and (s.stream_budget_mb > 0).all()
+    assert (s[s.budget == "8"].stream_budget_mb == 8.0).all()
+    assert r[r.kind != "stream"].stream_hit_pct.isna().all()
+    assert (r.tokens > 0).all() and (r.read_mib_per_token >= 0).all()
+
+
+def test_the_summary_gives_ratios_over_mmap(result):
+    s = result.summary
+    assert set(s.columns) >= {"point", "mode", "n", "median_ts", "ratio", "median_hit_pct"}
+    mm = s[s.point == "mmap"]
+    assert np.allclose(mm.ratio, 1.0)
+    for r in s.itertuples():
+        base = float(mm[mm["mode"] == r.mode].median_ts.iloc[0])
+        assert r.ratio == pytest.approx(r.median_ts / base)
+
+
+def test_the_limit_held_or_the_reason_is_given(result):
+    ok, why = memlimit.limit_available()
+    if ok:
+        lim = result.runs[result.runs.point != "resident"]
+        assert result.limit_mib == 1024 and (lim.limit_mib == 1024).all()
+        assert (lim.peak_mib.dropna() <= 1024).all()
+    else:
+        assert result.limit_mib is None and any(why in n for n in result.notes)
+
+
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    assert cli.main(["-m", str(model), "--out", str(tmp_path), "--budgets", "lots"]) == 2
+    assert "budget 'lots'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="repeats 0"):
+        stream.bench_stream(model, tmp_path, limit_mib=None, repeats=0)
+    assert not (tmp_path / "stream-runs.csv").exists()
