@@ -143,18 +143,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _slots(x: float) -> str:
+    """A slot count: ``8``, or ``4.17`` where a budget in entries or MiB is not whole slots per layer."""
+    return f"{int(round(x))}" if abs(x - round(x)) < 1e-9 else f"{x:.2f}"
+
+
+def _table(df: pd.DataFrame) -> str:
+    return df.to_string(index=False, float_format=lambda x: f"{x:.3f}", formatters={"slots_per_layer": _slots})
+
+
 def _print_report(rp: sim.Replay, df: pd.DataFrame, phase: str) -> None:
     cyc = sim.token_cycle(rp.n_layer, rp.top_k, rp.n_expert)
     print(f"{len(rp.workloads)} workload(s), {rp.n_layer} layers x {rp.n_expert} experts, top-{rp.top_k}; "
           f"token cycle {cyc} entries ({rp.top_k} slots/layer); phase {phase}")
     cols = ["workload", "policy", "budget_entries", "slots_per_layer", "accesses", "misses", "hit_rate",
             "uploads", "reach_tokens"]
-    print(df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(_table(df[cols]))
     if len(rp.workloads) > 1:
         p = sim.pooled(df)
         print("\nall workloads:")
-        print(p[["policy", "budget_entries", "slots_per_layer", "accesses", "misses", "hit_rate"]].to_string(
-            index=False, float_format=lambda x: f"{x:.3f}"))
+        print(_table(p[["policy", "budget_entries", "slots_per_layer", "accesses", "misses", "hit_rate"]]))
     below = df[df["budget_entries"] < cyc]
     if len(below):
         print(f"\nnote: budgets below the token cycle ({cyc} entries): a global LRU evicts what the next token "

@@ -1,5 +1,5 @@
 """``pybmoe size -m MODEL``: recommended cache slots per layer (:mod:`pybmoe.routing.sizing`, where the
-rules live), from a routing trace when one is given."""
+rules live), from a routing trace when one is given; without one, no hit rate is predicted."""
 from __future__ import annotations
 
 import argparse
@@ -13,10 +13,14 @@ from ..routing import trace as tr
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``pybmoe size -m MODEL.gguf [--trace T] [--free-mb N] [--inserts N]``; returns the exit status."""
-    ap = argparse.ArgumentParser(prog="pybmoe size",
-                                 description="Recommend --moe-expert-cache slots per layer for a model: device MiB, "
-                                             "and the expected hit rate from replaying a routing trace with the "
-                                             "engine's policy. The rules are in pybmoe/routing/sizing.py.")
+    ap = argparse.ArgumentParser(
+        prog="pybmoe size",
+        description="Recommend --moe-expert-cache slots per layer for a model. Each cached layer costs "
+                    "(slots + staging + 1) experts of device memory; the ceiling is every expert, or the most "
+                    "slots that fit --free-mb. With --trace (a routing trace of this model) every slot count up to "
+                    "the ceiling is replayed with the engine's own policy, and the recommendation is the smallest "
+                    "one within 1 point of the best hit rate; without a trace it is the ceiling, and no hit rate "
+                    "is predicted. Below top-k slots a layer cannot hold one token's experts (a warning).")
     ap.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
     ap.add_argument("--trace", type=Path, default=None, help="routing trace of this model (any pybmoe trace format)")
     ap.add_argument("--free-mb", type=float, default=None, help="device memory (MiB) the cache may use")
@@ -31,12 +35,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"{a.model.name}: {shape.n_layer} MoE layers x {shape.n_expert} experts, top-{shape.top_k}, "
           f"{shape.expert_bytes / sizing.MIB:.3g} MiB per expert")
-    if len(rec.table):
-        print(rec.table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    hit = f", expected hit rate {100 * rec.hit_rate:.1f}% (decode, from {a.trace.name})" if t is not None else ""
+    table = rec.table if t is not None else rec.table.drop(columns="hit_rate")
+    if len(table):
+        print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    if t is not None:
+        why = f", expected hit rate {100 * rec.hit_rate:.1f}% (decode, from {a.trace.name})"
+    else:
+        why = "; no trace given: the most slots that fit, hit rate not predicted (--trace FILE predicts it)"
     print(f"recommended: --moe-expert-cache {rec.slots_per_layer}"
           + (f" --moe-expert-cache-inserts {a.inserts}" if a.inserts else "")
-          + f"  ({rec.device_mib:.3g} MiB on the device{hit})")
+          + f"  ({rec.device_mib:.3g} MiB on the device{why})")
     for w in rec.warnings:
         print(f"warning: {w}", file=sys.stderr)
     return 0

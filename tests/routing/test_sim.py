@@ -431,6 +431,17 @@ def test_cli_errors_and_help(capsys):
         simulate.main([str(GRANITE), "--fraction", "0.5", "--slots-per-layer", "4"])
 
 
+def test_cli_report_prints_slot_counts_as_integers(granite, capsys):
+    """A slot count is a whole number (issue 17: `8.000`); a budget in entries that is not whole slots
+    per layer keeps two decimals."""
+    assert simulate.main([str(GRANITE), "--workload", "code", "--policy", "layer-lru,global-lru",
+                          "--budget-entries", "192,100", "--no-progress"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.lstrip().startswith("code ")]
+    slots = {(r[1], r[2]): r[3] for r in rows}
+    assert slots[("layer-lru", "192")] == "8" and slots[("global-lru", "192")] == "8"
+    assert slots[("global-lru", "100")] == "4.17"
+
+
 def test_cli_report_plot_and_batch_table(granite, tmp_path, capsys):
     png = tmp_path / "hit.png"
     assert simulate.main([str(GRANITE), "--policy", "all", "--budget-entries", "96:768:96", "--plot", str(png),
@@ -501,6 +512,8 @@ def test_size_cli(tmp_path, granite, capsys):
     assert size.main(["-m", str(m), "--free-mb", "0.06"]) == 0
     out = capsys.readouterr()
     assert "--moe-expert-cache 3 " in out.out and "below the cycle" in out.err
+    # without a trace no hit rate is predicted, and the output says so (issue 17: a column of NaN)
+    assert "NaN" not in out.out and "hit_rate" not in out.out and "no trace given" in out.out
     assert size.main(["-m", str(m), "--free-mb", "0.02"]) == 0
     assert "leave the cache off" in capsys.readouterr().err
 
