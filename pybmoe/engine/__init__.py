@@ -5,7 +5,7 @@ each lives in one module of this package:
 
 - :mod:`.binaries`: :data:`BINARIES`, :func:`find_binary`, :func:`bin_dirs`, :class:`EngineError`;
 - :mod:`.servers`: the lifecycle of a loopback ``ggml-rpc-server`` (:class:`RpcServer`) and of a
-  ``llama-server`` (:class:`LlamaServer`);
+  ``llama-server`` (:class:`LlamaServer`), and :func:`wait_for_endpoint` (``pybmoe serve --rpc``);
 - :mod:`.cachelog`: the cache's log lines and ``/metrics`` series, parsed (:func:`cache_record`);
 - :mod:`.logits`: one ``pybmoe-logits`` run (:func:`run_logits`);
 - :mod:`.flags`: the cache and layout flags (:func:`cache_args`, :func:`host_experts_args`).
@@ -24,9 +24,10 @@ from .cachelog import (CacheSummary, StreamSummary, cache_record, parse_cache_me
                        parse_cache_summaries, parse_stream_preamble, parse_stream_summaries, stream_record)
 from .flags import cache_args, host_experts_args
 from .logits import LogitsRun, run_logits
-from .servers import LlamaServer, RpcServer, free_port
+from .servers import LlamaServer, RpcServer, free_port, split_endpoint, wait_for_endpoint
 
 __all__ = ["BINARIES", "EngineError", "bin_dirs", "find_binary", "CacheSummary", "cache_record",
            "parse_cache_metrics", "parse_cache_preamble", "parse_cache_summaries", "StreamSummary",
            "parse_stream_preamble", "parse_stream_summaries", "stream_record", "cache_args",
-           "host_experts_args", "LogitsRun", "run_logits", "LlamaServer", "RpcServer", "free_port"]
+           "host_experts_args", "LogitsRun", "run_logits", "LlamaServer", "RpcServer", "free_port",
+           "split_endpoint", "wait_for_endpoint"]

@@ -29,6 +29,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (as ``--rpc`` takes it) into ``(host, port)``.
+
+    Raises:
+        ValueError: not ``host:port`` with a numeric port.
+    """
+    host, sep, port = endpoint.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"rpc server {endpoint!r} must be host:port")
+    return host.strip("[]"), int(port)
+
+
+def wait_for_endpoint(endpoint: str, timeout_s: float) -> bool:
+    """Waits until something accepts TCP connections at ``host:port`` (a ``ggml-rpc-server``
+    that is still starting); True when it does within ``timeout_s`` seconds.
+
+    The probe connects and closes at once; a ``ggml-rpc-server`` logs it as one more
+    ``Accepted client connection`` / ``Client connection closed`` pair and serves the next client.
+
+    Raises:
+        ValueError: a malformed endpoint.
+    """
+    host, port = split_endpoint(endpoint)
+    t0 = time.monotonic()
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+            return True
+        if time.monotonic() - t0 >= timeout_s:
+            return False
+        time.sleep(0.1)
+
+
 def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:

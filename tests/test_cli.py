@@ -1,0 +1,95 @@
+"""The `pybmoe` command line as a new user meets it (issue 17): the help lists every verb, and
+`pybmoe serve --rpc` waits for its device instead of aborting."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pybmoe import cli, engine
+from pybmoe.cli import serve, size
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_help_lists_every_verb_with_one_line(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":mod:" not in out  # no raw docstring markup
+    verbs = set(cli._MODULES) | {"serve", "bin"}
+    assert verbs == set(cli.VERBS), "a verb without a help line, or a help line without a verb"
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  ")}
+    for v in verbs:
+        assert v in lines and len(lines[v].split()) > 3, v
+    assert "synth" in lines["trace"] and "backend-ops" in lines
+
+
+def test_no_verb_or_an_unknown_one_prints_the_help_and_fails(capsys):
+    assert cli.main([]) == 2
+    assert "verbs:" in capsys.readouterr().err
+    assert cli.main(["frobnicate"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown verb 'frobnicate'" in err and "bench-stream" in err
+
+
+def test_every_verb_is_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for v in cli.VERBS:
+        assert f"`{v}`" in readme, v
+
+
+def test_size_help_says_what_it_computes(capsys):
+    with pytest.raises(SystemExit):
+        size.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert ".py" not in out and "replayed with the engine's own policy" in out and "no hit rate" in out
+
+
+def test_serve_finds_the_rpc_endpoints_as_llama_server_parses_them():
+    assert serve.rpc_endpoints(["-m", "x", "--rpc", "127.0.0.1:1,h:2"], env={}) == ["127.0.0.1:1", "h:2"]
+    assert serve.rpc_endpoints(["--rpc=a:1", "--rpc", "b:2"], env={}) == ["b:2"]  # the last one wins
+    assert serve.rpc_endpoints(["-m", "x"], env={"LLAMA_ARG_RPC": "c:3"}) == ["c:3"]
+    assert serve.rpc_endpoints(["-m", "x"], env={}) == []
+
+
+def test_serve_waits_for_an_rpc_server_that_starts_late(capsys):
+    """The README's loopback block starts ggml-rpc-server with & and pybmoe serve right after it; stock
+    llama-server then aborts with `Failed to connect` and a backtrace. pybmoe serve waits."""
+    port = engine.free_port()
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def listen_late():
+        time.sleep(0.8)
+        srv.bind(("127.0.0.1", port))
+        srv.listen()
+
+    t = threading.Thread(target=listen_late)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        assert serve.wait_for_rpc([f"127.0.0.1:{port}"], 20) is None
+        assert 0.5 < time.monotonic() - t0 < 15
+        assert f"waiting for the ggml-rpc-server at 127.0.0.1:{port}" in capsys.readouterr().err
+    finally:
+        t.join()
+        srv.close()
+
+
+def test_serve_fails_with_one_line_when_no_rpc_server_comes(tmp_path):
+    port = engine.free_port()
+    env = dict(os.environ, PYBMOE_RPC_WAIT_S="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "serve", "-m", "nothing.gguf", "--rpc",
+                        f"127.0.0.1:{port}"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"pybmoe serve: error: nothing accepts connections at 127.0.0.1:{port} after 1 s; start the device first "
+        f"(ggml-rpc-server -p {port} &) or fix --rpc")
+    assert len(r.stderr.strip().splitlines()) == 2  # the waiting line and the error: no backtrace
+    assert serve.wait_for_rpc(["nohostport"], 1) == "rpc server 'nohostport' must be host:port"
