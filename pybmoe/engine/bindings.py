@@ -200,17 +200,68 @@ def buffer_type_by_name(name: str) -> int:
     raise ValueError(f"no buffer type named {name!r}; accepted: {', '.join(names)}")
 
 
-_rpc_added: set[str] = set()
+#: endpoint -> the device handles its ggml-rpc-server added to the process's backend registry
+_rpc_devices: dict[str, list[int]] = {}
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+GGML_BACKEND_DEVICE_TYPE_IGPU = 2
 
 
-def add_rpc_server(endpoint: str) -> None:
-    """Registers a ``ggml-rpc-server`` at ``host:port`` as a device (as ``--rpc`` does), once.
+def _registry_api():
+    """libggml's device registry and libggml-base's device accessors, with their ctypes signatures."""
+    base, reg = _ggml("ggml-base"), _ggml("ggml")
+    reg.ggml_backend_dev_count.restype = ctypes.c_size_t
+    reg.ggml_backend_dev_get.restype = ctypes.c_void_p
+    reg.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    base.ggml_backend_dev_type.restype = ctypes.c_int
+    base.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    base.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_dev_name.restype = ctypes.c_char_p
+    base.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_reg_name.restype = ctypes.c_char_p
+    base.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+    base.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+    base.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return base, reg
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of the process's backend registry."""
+
+    handle: int        # ggml_backend_dev_t
+    type: int          # enum ggml_backend_dev_type (0 CPU, 1 GPU, 2 IGPU, 3 ACCEL, 4 META)
+    name: str          # CPU, CUDA0, RPC0, ...
+    backend: str       # the registry entry's name: CPU, CUDA, RPC, ...
+
+
+def registry_devices() -> list[Device]:
+    """Every device in the process's backend registry, in registry order (RPC devices stay there
+    from :func:`add_rpc_server` on, for the life of the process)."""
+    base, reg = _registry_api()
+    out = []
+    for i in range(reg.ggml_backend_dev_count()):
+        d = reg.ggml_backend_dev_get(i)
+        out.append(Device(d, base.ggml_backend_dev_type(d), base.ggml_backend_dev_name(d).decode(),
+                          base.ggml_backend_reg_name(base.ggml_backend_dev_backend_reg(d)).decode()))
+    return out
+
+
+def add_rpc_server(endpoint: str) -> list[int]:
+    """Registers a ``ggml-rpc-server`` at ``host:port`` as a device (as ``--rpc`` does), once per
+    process, and returns its device handles.
+
+    The registry keeps the device for the life of the process, and llama.cpp's default device
+    selection offloads to every registered device; :class:`Llama` therefore passes each model the
+    devices of its own ``rpc_servers`` only (:func:`offload_devices`).
 
     Raises:
         ValueError: a malformed endpoint, or the server cannot be reached.
     """
-    if endpoint in _rpc_added:
-        return
+    if endpoint in _rpc_devices:
+        return _rpc_devices[endpoint]
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"rpc server {endpoint!r} must be host:port")
@@ -230,7 +281,36 @@ def add_rpc_server(endpoint: str) -> None:
         raise ValueError(f"cannot reach the rpc server at {endpoint}")
     lib.ggml_backend_register.argtypes = [ctypes.c_void_p]
     lib.ggml_backend_register(reg)
-    _rpc_added.add(endpoint)
+    base, _ = _registry_api()
+    _rpc_devices[endpoint] = [base.ggml_backend_reg_dev_get(reg, i) for i in range(base.ggml_backend_reg_dev_count(reg))]
+    return _rpc_devices[endpoint]
+
+
+def offload_devices(rpc_endpoints: Sequence[str]) -> list[int] | None:
+    """The devices a model of these ``rpc_servers`` offloads to: None where llama.cpp's default
+    selection (every registered RPC device, then the GPUs, else the integrated GPUs) is already
+    that; else the explicit list without the RPC devices other models registered: this model's
+    RPC devices in the order given, then the GPUs, else the integrated GPUs.
+
+    (llama.cpp's default also drops a GPU that a second backend lists under the same device id; a
+    model of a process that registered other models' RPC servers does not get that filter.)
+    """
+    mine = [d for ep in rpc_endpoints for d in add_rpc_server(ep)]
+    devs = registry_devices()
+    if not any(d.backend == "RPC" and d.handle not in mine for d in devs):
+        return None
+    gpus = [d.handle for d in devs if d.type == GGML_BACKEND_DEVICE_TYPE_GPU and d.backend != "RPC"]
+    igpus = [d.handle for d in devs if d.type == GGML_BACKEND_DEVICE_TYPE_IGPU]
+    return mine + (gpus or igpus)
+
+
+def _device_names(handles: Sequence[int] | None) -> list[str]:
+    """The names of the devices a model offloads to (``handles`` from :func:`offload_devices`)."""
+    devs = registry_devices()
+    if handles is None:
+        return [d.name for d in devs if d.type in (GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU)]
+    by = {d.handle: d.name for d in devs}
+    return [by.get(h, hex(h)) for h in handles]
 
 
 def _check_count(name: str, v, allow_auto: bool = False) -> int:
@@ -265,7 +345,9 @@ class Llama(llama_cpp.Llama):
         cpu_moe: keep every MoE expert tensor in host memory (``--cpu-moe``).
         n_cpu_moe: keep the experts of the first N layers in host memory (``--n-cpu-moe``).
         override_tensor: ``"pattern=BUFT,..."`` or a list of ``(pattern, buft name)`` (``-ot``).
-        rpc_servers: ``"host:port,..."``: ggml-rpc-server devices to offload to (``--rpc``).
+        rpc_servers: ``"host:port,..."``: ggml-rpc-server devices to offload to (``--rpc``). Each
+            ``Llama`` offloads to its own only: a server another ``Llama`` of the process named stays
+            registered, but is not this one's device.
         repack: let host weights use repacked layouts (``--no-repack`` is ``repack=False``).
         moe_stream_cache_mb: the stream tier's RAM budget in MiB (int >= 0), or ``"auto"``
             (available memory minus the dense weights minus ``moe_stream_floor_mb``, capped by
@@ -278,7 +360,8 @@ class Llama(llama_cpp.Llama):
     Raises:
         ValueError: a bad cache value or override, an unreachable RPC server, or a model that
             does not load (as ``llama_cpp.Llama``). A cache that was asked for but cannot engage
-            raises too (the engine logs why).
+            raises too: with no device at all (no GPU build, no ``rpc_servers``) the message says
+            so; otherwise the engine's log says why.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, moe_expert_cache: int | str = 0,
@@ -302,8 +385,11 @@ class Llama(llama_cpp.Llama):
         if not 1 <= io_threads <= 64:
             raise ValueError(f"moe_stream_io_threads={moe_stream_io_threads!r} is invalid; accepted: 1 .. 64")
         n_ubatch = int(kwargs.get("n_ubatch", 512))
-        for ep in (rpc_servers.split(",") if rpc_servers else []):
-            add_rpc_server(ep.strip())
+        endpoints = [ep.strip() for ep in rpc_servers.split(",") if ep.strip()] if rpc_servers else []
+        devices = offload_devices(endpoints)  # this model's RPC devices only, not other models'
+        self._moe_devices = None if devices is None else (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+        device_names = _device_names(devices)
+        self._moe_slots_allocated = 0
 
         pairs: list[tuple[str, int]] = []
         if isinstance(override_tensor, str):
@@ -328,6 +414,8 @@ class Llama(llama_cpp.Llama):
             def __init__(self, *, path_model, params, verbose=True):
                 if pairs:
                     params.tensor_buft_overrides = ctypes.addressof(wrapper._moe_overrides)
+                if wrapper._moe_devices is not None:
+                    params.devices = ctypes.addressof(wrapper._moe_devices)
                 if not repack or stream_mb != 0:
                     params.use_extra_bufts = False  # streamed experts must keep the GGUF layout
                 super().__init__(path_model=path_model, params=params, verbose=verbose)
@@ -340,11 +428,26 @@ class Llama(llama_cpp.Llama):
                         raise ValueError(f"moe_expert_cache={moe_expert_cache!r} does not fit the device's free memory "
                                          f"minus moe_expert_cache_floor_mb={floor_mb} MiB (the engine's log gives the "
                                          "MiB and the most slots that fit)")
-                    if rc <= 0:
+                    if rc == 0:
+                        self.close()
+                        raise ValueError(f"moe_expert_cache={moe_expert_cache!r} was requested but the model has no MoE "
+                                         "layers")
+                    if rc < 0 and not device_names:
+                        self.close()
+                        raise ValueError(f"moe_expert_cache={moe_expert_cache!r} needs a device to hold the slots, and "
+                                         "this model has none: this build has no GPU backend and no rpc_servers were "
+                                         "given; pass rpc_servers='host:port' (a ggml-rpc-server, the loopback device "
+                                         "of the README) or install a GPU build (CMAKE_ARGS=\"-DGGML_CUDA=ON\" pip "
+                                         "install .)")
+                    if rc < 0:
                         self.close()
                         raise ValueError(f"moe_expert_cache={moe_expert_cache!r} was requested but the expert cache "
-                                         "did not engage (no host-resident MoE layer with a device router, or no room; "
-                                         "the engine's log says which)")
+                                         f"did not engage on {', '.join(device_names)} (no host-resident MoE layer "
+                                         "with a device-resident router: give n_gpu_layers and cpu_moe; or no room; "
+                                         "the engine's log, verbose=True, says which)")
+                    st = MoeCacheStatsC()
+                    if _llama_lib().llama_model_moe_cache_get_stats(self.model, ctypes.byref(st)):
+                        wrapper._moe_slots_allocated = st.n_slots
                 if stream_mb != 0:
                     lib = _llama_lib()
                     rc = lib.llama_model_moe_stream_init(self.model, stream_mb, stream_floor, stream_ceil, io_threads,
@@ -412,13 +515,17 @@ class Llama(llama_cpp.Llama):
         evicts at once. Returns the new count.
 
         Raises:
-            ValueError: a bad value, or the cache is off.
+            ValueError: a bad value (the message names the accepted range), or the cache is off.
             RuntimeError: called while a graph is being computed (during a generation).
         """
         n = _check_count("n_slots", n_slots)
+        self.moe_cache_stats()  # ValueError when off
+        cap = self._moe_slots_allocated
+        if n > cap:
+            raise ValueError(f"n_slots={n_slots} is out of range; accepted: 0 .. {cap} (the slots allocated at load)")
         rc = _llama_lib().llama_model_moe_cache_set_slots(self._model.model, n)
         if rc == -2:
             raise RuntimeError("set_moe_cache_slots was called during a generation; call it between generations")
         if rc < 0:
-            raise ValueError(f"n_slots={n_slots} was refused (out of range, or the cache is off; see the log)")
+            raise ValueError(f"n_slots={n_slots} was refused; accepted: 0 .. {cap} (the slots allocated at load)")
         return rc

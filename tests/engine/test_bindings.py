@@ -60,30 +60,62 @@ def test_generation_equals_llama_server_and_stats_are_counted(model_q8, rpc):
         llm.reset()
         again = llm(PROMPT, max_tokens=n, temperature=0, top_k=1, repeat_penalty=1.0)["choices"][0]["text"]
         assert again == want
-        with pytest.raises(ValueError):
+        # more than were allocated: the message names the range (issue 17: it used to say "see the log")
+        with pytest.raises(ValueError, match=r"n_slots=99 is out of range; accepted: 0 \.\. 8 "):
             llm.set_moe_cache_slots(99)
+        assert llm.set_moe_cache_slots(8) == 8
     finally:
         llm.close()  # before the RPC device goes away
 
 
-def test_a_cache_that_cannot_engage_raises(model_q8):
-    # everything on the CPU: no MoE layer has a device-resident router
-    with pytest.raises(ValueError, match="did not engage"):
-        bindings.Llama(str(model_q8), n_gpu_layers=0, moe_expert_cache=4, verbose=False)
+def _local_gpus() -> list[str]:
+    return [d.name for d in bindings.registry_devices()
+            if d.type in (bindings.GGML_BACKEND_DEVICE_TYPE_GPU, bindings.GGML_BACKEND_DEVICE_TYPE_IGPU)
+            and d.backend != "RPC"]
 
 
-def test_fixed_slots_that_do_not_fit_raise(model_q8, rpc):
-    with pytest.raises(ValueError, match="does not fit the device's free memory"):
-        bindings.Llama(str(model_q8), n_gpu_layers=99, cpu_moe=True, repack=False, rpc_servers=rpc.endpoint,
-                       moe_expert_cache=4, moe_expert_cache_floor_mb=99999999, verbose=False)
+def test_a_cache_that_cannot_engage_raises(model_q8, rpc):
+    # everything on the CPU: no MoE layer has a device-resident router, though there is a device
+    with pytest.raises(ValueError, match=r"did not engage on RPC\d+ .*give n_gpu_layers and cpu_moe"):
+        bindings.Llama(str(model_q8), n_gpu_layers=0, moe_expert_cache=4, rpc_servers=rpc.endpoint, verbose=False)
 
 
-def test_the_build_leaves_out_llama_cpps_amx_kernels():
-    """llama.cpp's AMX kernels crash on some Sapphire Rapids machines (upstream #20824: SIGSEGV in
-    ggml_backend_amx_mul_mat; here SIGSEGV, SIGILL or an abort in the first CPU graph of the arch
-    tests' models), so pybmoe's build turns them off unless PYBMOE_CPU_AMX=ON (CMakeLists.txt)."""
-    import llama_cpp
+def test_a_second_llama_does_not_use_the_first_ones_rpc_device(model_q8, rpc):
+    """The backend registry keeps an RPC device for the life of the process, and llama.cpp offloads to
+    every registered device by default; so a second Llama without rpc_servers used the first one's
+    device (its cache engaged there) instead of raising. Each Llama now offloads to its own only."""
+    if _local_gpus():
+        pytest.skip(f"this build has a local device ({', '.join(_local_gpus())}): a cache always has one")
+    first = bindings.Llama(model_q8, n_gpu_layers=99, cpu_moe=True, repack=False, rpc_servers=rpc.endpoint,
+                           moe_expert_cache=8, n_ctx=256, verbose=False)
+    try:
+        assert first.moe_cache_stats().n_slots == 8
+        with pytest.raises(ValueError, match="needs a device to hold the slots, and this model has none") as e:
+            bindings.Llama(model_q8, n_gpu_layers=99, cpu_moe=True, repack=False, moe_expert_cache=8, n_ctx=256,
+                           verbose=False)
+        assert "rpc_servers=" in str(e.value) and "GGML_CUDA" in str(e.value)
+        assert any(d.backend == "RPC" for d in bindings.registry_devices())  # the device is still registered,
+        assert bindings.offload_devices([]) == []                # but not a device of a Llama without rpc_servers
+        assert bindings.offload_devices([rpc.endpoint]) is None  # (llama.cpp's default is already right here)
+    finally:
+        first.close()
 
-    info = llama_cpp.llama_print_system_info().decode()
-    assert info.startswith("CPU :"), info
-    assert "AMX_INT8" not in info, info
+
+def test_a_llama_offloads_to_its_own_rpc_server_only(model_q8, rpc):
+    """Two RPC servers registered in one process: a Llama that names one never connects to the other."""
+    with engine.RpcServer(threads=1) as other:
+        theirs = bindings.add_rpc_server(other.endpoint)
+        seen = other.log.read_text().count("Accepted client connection")
+        llm = bindings.Llama(model_q8, n_gpu_layers=99, cpu_moe=True, repack=False, rpc_servers=rpc.endpoint,
+                             moe_expert_cache=4, n_ctx=256, verbose=False)
+        try:
+            assert llm("Hi", max_tokens=4, temperature=0)["choices"][0]["text"] is not None
+            st = llm.moe_cache_stats()
+            assert st.n_slots == 4 and st.hits + st.misses > 0
+        finally:
+            llm.close()
+        # before: llama.cpp's default selection split the model over both servers (8 connections here)
+        assert other.log.read_text().count("Accepted client connection") == seen
+        mine = bindings.add_rpc_server(rpc.endpoint)
+        assert theirs != mine and bindings.offload_devices([rpc.endpoint])[:len(mine)] == mine
+        assert not set(theirs) & set(bindings.offload_devices([rpc.endpoint]))
