@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,56 @@ from pybmoe.routing.granite import GRANITE_TRACE
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# --------------------------------------------------------------------------- progress by test file
+# At pytest's default verbosity each test file is one line ("tests/engine/test_serve.py ....  [ 40%]");
+# this adds the seconds the file took before its percentage, so a 10-minute run says where the time
+# goes (tools/test.sh; `-q` or `-v` turn it off).
+
+class _FileTimes:
+    def __init__(self, config):
+        self.config = config
+        self.current: str | None = None
+        self.t0 = 0.0
+        self.done = 0
+        self.total = -1
+
+    def pytest_collection_finish(self, session):
+        self.total = len(session.items)
+
+    def _reporter(self):
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        return tr if tr is not None and tr.verbosity == 0 and getattr(tr, "showfspath", True) else None
+
+    def _close_line(self, tr) -> None:
+        if self.current is not None:
+            tr.write(f" {time.monotonic() - self.t0:.0f} s")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logstart(self, nodeid, location):
+        tr = self._reporter()
+        path = nodeid.split("::")[0]
+        if tr is None or path == self.current:
+            return
+        self._close_line(tr)
+        self.current, self.t0 = path, time.monotonic()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logfinish(self, nodeid, location):
+        tr = self._reporter()
+        self.done += 1
+        if tr is not None and self.done == self.total:
+            self._close_line(tr)  # the last file: before pytest writes [100%]
+            self.current = None
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_FileTimes(config), "pybmoe-file-times")
+
+
 @pytest.fixture(scope="session")
 def granite_raw() -> dict:
     """The granite-3.0-1b-a400m routing trace as its raw JSON (24 layers, 32 experts, top-8; the copy
-    bundled in pybmoe/data/, identical to shared/data/'s: tests/routing/test_trace.py)."""
+    bundled in pybmoe/data/, the published bytes: tests/routing/test_trace.py)."""
     return json.loads(GRANITE_TRACE.read_text())
 
 
