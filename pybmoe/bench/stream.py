@@ -29,7 +29,9 @@ Outputs, in the output folder:
 - ``stream-summary.csv``: per point and mode, ``n`` runs, ``median_ts`` / ``min_ts`` /
   ``max_ts`` tok/s, ``ratio`` = ``median_ts`` / the ``mmap`` median of the same mode,
   ``median_hit_pct``, ``median_read_mib_per_token``, ``median_majflt_per_token`` and
-  ``median_io_wait_s``.
+  ``median_io_wait_s``; with a route-replay trace, ``predicted_ts`` on the stream points' decode
+  rows: :func:`pybmoe.routing.sizing.predict_stream` at the point's budget, from the trace, the disk
+  bandwidth the stream runs measured (MiB read / io wait) and the resident point's decode.
 - ``stream-tg.png`` and ``stream-pp.png``: tok/s per point (median, min-max bars) with the ratio
   over mmap written on each bar.
 - ``logs/``: each run's stderr.
@@ -56,6 +58,8 @@ import pandas as pd
 
 from .. import engine
 from ..engine import memlimit
+from ..routing import sizing
+from ..routing import trace as tr
 
 MODES = ("pp", "tg")
 
@@ -189,6 +193,29 @@ def summarize(runs: pd.DataFrame) -> pd.DataFrame:
     return s
 
 
+def predict(runs: pd.DataFrame, summary: pd.DataFrame, model: Path, trace_path: Path) -> pd.DataFrame:
+    """``summary`` with ``predicted_ts`` (decode tok/s) and ``disk_mib_s`` on the stream points' tg rows
+    (see the module doc); NaN where a figure is missing."""
+    s = summary.copy()
+    s["predicted_ts"] = np.nan
+    s["disk_mib_s"] = np.nan
+    st = runs[(runs.kind == "stream") & (runs.stream_io_wait_s > 0)]
+    res = runs[(runs.kind == "resident") & (runs["mode"] == "tg")]
+    if st.empty or res.empty:
+        return s
+    disk = float((st.stream_read_mib / st.stream_io_wait_s).median())
+    shape = sizing.model_shape(model)
+    t = tr.read_trace(trace_path)
+    for i, r in s.iterrows():
+        if r["mode"] != "tg" or not str(r.point).startswith("stream:"):
+            continue
+        budget = runs[(runs.point == r.point)].stream_budget_mb.median()
+        p = sizing.predict_stream(shape, t, float(budget), disk_mib_s=disk, resident_tok_s=float(res.avg_ts.median()))
+        s.loc[i, "predicted_ts"] = p.tok_s
+        s.loc[i, "disk_mib_s"] = disk
+    return s
+
+
 def plot(summary: pd.DataFrame, out_dir: Path, title: str) -> list[Path]:
     """``stream-<mode>.png``: tok/s per point with min-max bars and the ratio over mmap."""
     import matplotlib
@@ -274,6 +301,8 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
     runs = pd.DataFrame(rows)
     runs.to_csv(out / "stream-runs.csv", index=False)
     summary = summarize(runs)
+    if rp is not None:
+        summary = predict(runs, summary, model, rp)
     summary.to_csv(out / "stream-summary.csv", index=False)
     title = f"{model.name}: limit {limit_mib} MiB" if limit_mib else f"{model.name}: no memory limit"
     plot(summary, out, title)
@@ -283,5 +312,5 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
 def format_summary(summary: pd.DataFrame) -> str:
     """The summary as a fixed-width table (tok/s, ratio, hit %, MiB and faults per token)."""
     cols = ["point", "mode", "n", "median_ts", "ratio", "median_hit_pct", "median_read_mib_per_token",
-            "median_majflt_per_token", "median_io_wait_s", "median_peak_mib"]
-    return summary[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}")
+            "median_majflt_per_token", "median_io_wait_s", "median_peak_mib", "predicted_ts"]
+    return summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.2f}")

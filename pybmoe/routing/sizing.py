@@ -134,3 +134,50 @@ def recommend(shape: ModelShape, *, free_mib: float | None = None, trace: tr.Tra
         warnings.append(f"{best} slots per layer is below the cycle: a token selects {shape.top_k} experts per layer, "
                         "so a step evicts what the next one needs; expect a low hit rate")
     return Recommendation(shape, best, device_bytes(best, shape, inserts) / MIB, hit, below, table, warnings)
+
+
+# --------------------------------------------------------------------------- the stream tier
+
+@dataclass(frozen=True)
+class StreamPrediction:
+    """Decode through the stream tier at one budget, predicted from a trace (see :func:`predict_stream`)."""
+
+    budget_mib: float
+    budget_entries: int
+    hit_rate: float             # global-lru over the trace's decode lookups, 0..1
+    miss_mib_per_token: float   # MiB read from the file per decode token
+    compute_s_per_token: float
+    io_s_per_token: float
+
+    @property
+    def tok_s(self) -> float:
+        return 1.0 / (self.compute_s_per_token + self.io_s_per_token)
+
+
+def predict_stream(shape: ModelShape, trace: tr.Trace, budget_mib: float, *, disk_mib_s: float,
+                   resident_tok_s: float | None = None, ram_mib_s: float | None = None,
+                   dense_mib: float = 0.0) -> StreamPrediction:
+    """Decode tok/s of the stream tier (``--moe-stream-cache-mb budget_mib``) on this model.
+
+    The tier's policy is ``global-lru`` exactly, so the hit rate is the simulator's on the trace's
+    decode lookups at ``budget_entries = floor(budget_mib / expert MiB)``. A token costs the compute
+    of an all-resident token (``1 / resident_tok_s``, measured; or, without it, the bytes a token
+    touches, ``n_layer * top_k`` experts plus ``dense_mib``, at ``ram_mib_s``) plus its misses read
+    at ``disk_mib_s`` (serially: the tier does not overlap reads with compute). Units: MiB, MiB/s,
+    tokens/s. Raises :class:`SizingError` for a bandwidth <= 0 or neither compute figure.
+    """
+    if disk_mib_s <= 0 or (resident_tok_s is None and (ram_mib_s is None or ram_mib_s <= 0)):
+        raise SizingError(f"disk_mib_s={disk_mib_s}, resident_tok_s={resident_tok_s}, ram_mib_s={ram_mib_s}; accepted: "
+                          "disk_mib_s > 0 and resident_tok_s > 0 or ram_mib_s > 0")
+    r = sim.simulate(trace, "global-lru", mib=budget_mib, expert_bytes=shape.expert_bytes, phase="decode")
+    tokens = int(r.summary["tokens"].sum())
+    misses = int(r.summary["misses"].sum())
+    expert_mib = shape.expert_bytes / MIB
+    miss_mib = misses * expert_mib / tokens if tokens else 0.0
+    if resident_tok_s is not None:
+        if resident_tok_s <= 0:
+            raise SizingError(f"resident_tok_s={resident_tok_s}; accepted: > 0")
+        compute = 1.0 / resident_tok_s
+    else:
+        compute = (shape.n_layer * shape.top_k * expert_mib + dense_mib) / ram_mib_s
+    return StreamPrediction(budget_mib, r.budget_entries, r.hit_rate, miss_mib, compute, miss_mib / disk_mib_s)

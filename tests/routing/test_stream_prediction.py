@@ -1,0 +1,32 @@
+"""pybmoe.routing.sizing.predict_stream: the stream tier's decode predicted from a trace."""
+from __future__ import annotations
+
+import pytest
+
+from pybmoe.routing import sim, sizing
+
+SHAPE = sizing.ModelShape(n_layer=24, n_expert=32, top_k=8, expert_bytes=1.59375 * 2**20)
+
+
+def test_the_hit_rate_is_global_lru_and_the_time_adds_compute_and_reads(granite):
+    p = sizing.predict_stream(SHAPE, granite, 200.0, disk_mib_s=1000.0, resident_tok_s=20.0)
+    r = sim.simulate(granite, "global-lru", mib=200.0, expert_bytes=SHAPE.expert_bytes, phase="decode")
+    assert p.budget_entries == r.budget_entries == int(200 // 1.59375)
+    assert p.hit_rate == pytest.approx(r.hit_rate)
+    lookups_per_token = SHAPE.n_layer * SHAPE.top_k
+    assert p.miss_mib_per_token == pytest.approx((1 - r.hit_rate) * lookups_per_token * 1.59375)
+    assert p.tok_s == pytest.approx(1 / (1 / 20.0 + p.miss_mib_per_token / 1000.0))
+    more = sizing.predict_stream(SHAPE, granite, 400.0, disk_mib_s=1000.0, resident_tok_s=20.0)
+    assert more.hit_rate > p.hit_rate and more.tok_s > p.tok_s
+
+
+def test_without_a_measured_decode_the_ram_bandwidth_gives_the_compute(granite):
+    p = sizing.predict_stream(SHAPE, granite, 200.0, disk_mib_s=1000.0, ram_mib_s=10_000.0, dense_mib=240.0)
+    assert p.compute_s_per_token == pytest.approx((24 * 8 * 1.59375 + 240.0) / 10_000.0)
+
+
+@pytest.mark.parametrize("kw", [dict(disk_mib_s=0.0, resident_tok_s=1.0), dict(disk_mib_s=1.0),
+                                dict(disk_mib_s=1.0, resident_tok_s=-2.0)])
+def test_bad_figures_are_refused(granite, kw):
+    with pytest.raises(sizing.SizingError):
+        sizing.predict_stream(SHAPE, granite, 200.0, **kw)
