@@ -131,14 +131,28 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     }
     release(evicted); // before the admitted entries' bytes arrive: a shared page is never dropped after
 
+    // one read per run of consecutive expert ids (they are adjacent in the file and in the
+    // reservation; a prefill step wants most of a layer), cut into reads of at most ~8 MiB so that
+    // the lanes share the work
+    std::vector<int32_t> experts(admitted.size());
+    for (size_t i = 0; i < admitted.size(); ++i) {
+        experts[i] = admitted[i] % lru.n_expert;
+    }
+    std::sort(experts.begin(), experts.end());
     std::vector<llama_moe_read> jobs;
     size_t nbytes = 0;
-    for (int32_t entry : admitted) {
-        const size_t e = (size_t) (entry % lru.n_expert);
-        for (int p = 0; p < l.n_proj; ++p) {
-            const size_t n = l.expert_nbytes[p];
-            jobs.push_back({ l.src[p].file, l.src[p].offs + e * n, n, (uint8_t *) l.region[p] + e * n });
-            nbytes += n;
+    for (int p = 0; p < l.n_proj; ++p) {
+        const size_t n = l.expert_nbytes[p];
+        const size_t per_job = std::max<size_t>(1, (8u << 20) / n);
+        for (size_t i = 0; i < experts.size(); ) {
+            size_t j = i + 1;
+            while (j < experts.size() && experts[j] == experts[j - 1] + 1 && j - i < per_job) {
+                j++;
+            }
+            const size_t e = (size_t) experts[i];
+            jobs.push_back({ l.src[p].file, l.src[p].offs + e * n, (j - i) * n, (uint8_t *) l.region[p] + e * n });
+            nbytes += (j - i) * n;
+            i = j;
         }
     }
     const auto t0 = std::chrono::steady_clock::now();
