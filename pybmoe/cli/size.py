@@ -25,6 +25,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, default=None, help="routing trace of this model (any pybmoe trace format)")
     ap.add_argument("--free-mb", type=float, default=None, help="device memory (MiB) the cache may use")
     ap.add_argument("--inserts", type=int, default=0, help="--moe-expert-cache-inserts to plan for (default 0 = unlimited)")
+    st = ap.add_argument_group("the stream tier (--moe-stream-cache-mb): predicted decode tok/s, needs --trace")
+    st.add_argument("--stream-mb", type=float, action="append", default=[],
+                    help="a RAM budget (MiB) to predict; repeat for several")
+    st.add_argument("--disk-mib-s", type=float, default=None, help="measured read bandwidth of the model's disk, MiB/s")
+    st.add_argument("--resident-tok-s", type=float, default=None,
+                    help="measured decode tok/s with every expert in RAM (the compute part of a token)")
+    st.add_argument("--ram-mib-s", type=float, default=None,
+                    help="instead of --resident-tok-s: RAM read bandwidth, MiB/s (a token reads its experts)")
     a = ap.parse_args(argv)
     try:
         shape = sizing.model_shape(a.model)
@@ -47,6 +55,22 @@ def main(argv: Sequence[str] | None = None) -> int:
           + f"  ({rec.device_mib:.3g} MiB on the device{why})")
     for w in rec.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    if a.stream_mb:
+        if t is None or a.disk_mib_s is None:
+            print("pybmoe size: error: --stream-mb needs --trace and --disk-mib-s (and --resident-tok-s or --ram-mib-s)",
+                  file=sys.stderr)
+            return 2
+        print("stream tier (global-lru over the trace's decode lookups; a token = compute + its misses read at "
+              f"{a.disk_mib_s:.0f} MiB/s):")
+        for mb in a.stream_mb:
+            try:
+                p = sizing.predict_stream(shape, t, mb, disk_mib_s=a.disk_mib_s, resident_tok_s=a.resident_tok_s,
+                                          ram_mib_s=a.ram_mib_s)
+            except ValueError as e:
+                print(f"pybmoe size: error: {e}", file=sys.stderr)
+                return 2
+            print(f"  --moe-stream-cache-mb {mb:g}: {p.budget_entries} experts, {100 * p.hit_rate:.1f}% hit, "
+                  f"{p.miss_mib_per_token:.1f} MiB read/token, predicted {p.tok_s:.2f} tok/s decode")
     return 0
 
 

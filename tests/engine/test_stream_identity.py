@@ -160,3 +160,23 @@ def test_a_bad_dense_policy_is_refused(tmp_path):
     with pytest.raises(engine.EngineError) as e:
         run(model, tmp_path, 1, ["--dense-weights", "ram"], "bad")
     assert "expects mmap, warm or anon" in str(e.value)
+
+
+@pytest.mark.parametrize("slots", [2, 8])
+def test_three_tiers_on_the_rpc_device_equal_the_stock_split(rpc, tmp_path, slots):
+    """Disk -> RAM -> VRAM: layers on the loopback device, experts on the host (--cpu-moe), the VRAM
+    tier caching `slots` of them per layer and the stream tier the rest. The logits equal the same
+    layout with both tiers off; the stream tier looked up only what the device did not hold."""
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    layout = ["-b", "512", "-ub", "1", *engine.host_experts_args(rpc.endpoint)]
+    base = engine.run_logits(model, tmp_path / "base.bin", layout, prompt=PROMPT, n_predict=N_PREDICT, ctx=512)
+    both = engine.run_logits(model, tmp_path / f"both-{slots}.bin",
+                             [*layout, *engine.cache_args(slots), "--moe-stream-cache-mb", "4"],
+                             prompt=PROMPT, n_predict=N_PREDICT, ctx=512)
+    assert both.logits == base.logits and both.tokens == base.tokens
+    vram_hits = sum(h for h, _ in both.layers.values())
+    vram_misses = sum(m for _, m in both.layers.values())
+    stream_lookups = sum(h + m for h, m in both.stream_layers.values())
+    assert vram_hits > 0 and stream_lookups > 0
+    # every lookup the device did not hold went to the stream tier, and no other
+    assert stream_lookups == vram_misses

@@ -30,3 +30,16 @@ def test_without_a_measured_decode_the_ram_bandwidth_gives_the_compute(granite):
 def test_bad_figures_are_refused(granite, kw):
     with pytest.raises(sizing.SizingError):
         sizing.predict_stream(SHAPE, granite, 200.0, **kw)
+
+
+def test_pybmoe_size_prints_the_prediction_per_budget(capsys):
+    from pybmoe import models
+    from pybmoe.cli import size
+    from pybmoe.routing.granite import GRANITE_TRACE
+    model = models.cached_model_path(models.GRANITE_TRACE_SPEC)
+    rc = size.main(["-m", str(model), "--trace", str(GRANITE_TRACE), "--stream-mb", "2", "--stream-mb", "4",
+                    "--disk-mib-s", "1000", "--resident-tok-s", "20"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("predicted ") == 2 and "--moe-stream-cache-mb 2:" in out
+    assert size.main(["-m", str(model), "--stream-mb", "2"]) == 2  # no trace, no bandwidth
+    assert "--stream-mb needs --trace and --disk-mib-s" in capsys.readouterr().err
