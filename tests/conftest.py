@@ -65,6 +65,123 @@ def pytest_configure(config):
     config.pluginmanager.register(_FileTimes(config), "pybmoe-file-times")
 
 
+# --------------------------------------------------------------------------- the slow marker
+# Tests of 3 s or more (all parametrizations together; measured on the 2-core project machine,
+# 2026-12-02, docs/build.md), marked `slow` here in one table rather than in each file, so that
+# `tools/test.sh -m "not slow"` (about 2 minutes) leaves them out; CI runs everything. A new test that
+# takes seconds joins this table; tests/test_readme.py checks that every name here exists.
+SLOW: dict[str, str | set[str]] = {
+    "tests/bench/test_bench.py": {  # the two module fixtures' sweeps: 8 s each, paid by the first test using one
+        "test_server_sweep_rows_and_cache",  # 7 s
+        "test_server_sweep_summary_per_spec",
+        "test_sweep_writes_tidy_csv",  # 8 s
+        "test_sweep_cache_columns",
+        "test_sweep_summary_and_plots",
+    },
+    "tests/bench/test_bench_stream.py": {  # one module fixture runs the benchmark: 17 s
+        "test_every_point_and_mode_ran_and_was_written",
+        "test_the_stream_points_carry_the_tiers_figures_and_mmap_none",
+        "test_the_summary_gives_ratios_over_mmap",
+        "test_the_limit_held_or_the_reason_is_given",
+    },
+    "tests/bench/test_device_bench.py": {
+        "test_cpu_smoke_end_to_end",  # 9 s
+    },
+    "tests/build/test_patches.py": {
+        "test_check_exits_zero_with_every_patch_clean",  # 7 s
+        "test_check_names_a_failing_patch_and_exits_nonzero",  # 10 s
+        "test_rebase_conflict_stops_in_am_state_and_continues",  # 33 s
+        "test_rebase_onto_the_pinned_version_is_all_clean",  # 31 s
+    },
+    "tests/build/test_vendor.py": {
+        "test_dirty_tree_is_not_discarded",  # 5 s
+        "test_failing_patch_is_named",  # 9 s
+        "test_series_applies_and_export_is_a_noop",  # 6 s
+    },
+    "tests/engine/test_arch_identity.py": {
+        "test_every_variant_is_bit_identical",  # 123 s
+        "test_every_variant_speculates_through_the_cache",  # 11 s
+    },
+    "tests/engine/test_cache_identity.py": {
+        "test_logits_bit_identical",  # 19 s
+        "test_logits_bit_identical_other_types",  # 12 s
+        "test_server_text_byte_identical",  # 50 s
+    },
+    "tests/engine/test_cache_metrics.py": {
+        "test_auto_resolving_to_zero_warns_and_is_off",  # 4 s
+        "test_auto_sizes_from_the_device_and_its_ceiling",  # 4 s
+        "test_cliff_warning_below_the_cycle_only",  # 14 s
+        "test_preamble_and_summary_make_one_record",  # 4 s
+        "test_resize_during_a_decode_is_refused",  # 4 s
+        "test_runtime_shrink_is_byte_safe",  # 14 s
+        "test_slots_above_n_expert_are_clamped_with_one_line",  # 4 s
+    },
+    "tests/engine/test_cache_sizing.py": {
+        "test_a_dense_model_is_inert_with_one_info_line",  # 3 s
+        "test_auto_sets_aside_the_contexts_memory",  # 6 s
+        "test_experts_in_a_cpu_buffer_without_mmap_do_not_warn",  # 4 s
+        "test_fit_counts_fixed_slots",  # 4 s
+        "test_fit_with_auto_gives_the_cache_what_is_left",  # 4 s
+        "test_router_in_host_memory_warns_why",  # 4 s
+        "test_two_devices_each_sized_and_exact",  # 6 s
+    },
+    "tests/engine/test_engine_replay.py": {
+        "test_demo_replays_granite_routing",  # 4 s
+        "test_replay_matches_engine_event_for_event",  # 51 s
+        "test_replay_matches_engine_on_real_routing",  # 5 s
+    },
+    "tests/engine/test_route_replay.py": {
+        "test_a_foreign_trace_changes_the_routing_to_exactly_it",  # 3 s
+        "test_replaying_the_models_own_trace_reproduces_it",  # 3 s
+    },
+    "tests/engine/test_small_batches.py": {
+        "test_draft_model_speculation_is_unchanged_and_says_the_draft_has_no_cache",  # 5 s
+        "test_speculative_ngram_greedy_output_is_unchanged",  # 4 s
+        "test_ubatches_bit_identical",  # 28 s
+    },
+    "tests/engine/test_stream_identity.py": {
+        "test_streamed_logits_equal_all_resident",  # 24 s
+        "test_the_dense_policies_change_no_logit",  # 4 s
+        "test_the_engines_stream_hits_equal_the_simulators_global_lru",  # 4 s
+    },
+    "tests/engine/test_upstream_server.py": "*",  # 37 s
+    "tests/models/test_arch_deepseek2.py": {
+        "test_generates_and_the_bias_routes",  # 12 s
+    },
+    "tests/models/test_arch_gemma4.py": {
+        "test_generates_and_applies_the_down_scales",  # 4 s
+    },
+    "tests/models/test_arch_gpt_oss.py": {
+        "test_generates_and_applies_the_expert_biases",  # 4 s
+    },
+    "tests/models/test_models.py": {  # the module fixture writes the three default models: 8 s
+        "test_deterministic",  # 4 s
+        "test_tensors_and_hparams",
+        "test_tokenizer_copied_verbatim",
+        "test_weights_are_sane_and_routing_not_degenerate",
+    },
+    "tests/routing/test_synth.py": {
+        "test_map_keeps_the_curve_at_the_same_fraction_of_experts",  # 3 s
+    },
+    "tests/test_readme.py": {
+        "test_the_loopback_flow_runs_as_pasted",  # 10 s
+        "test_pybmoe_demo_prints_the_readme_samples_lines",  # 40 s
+    },
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        try:
+            rel = path.relative_to(ROOT).as_posix()
+        except ValueError:
+            continue
+        names = SLOW.get(rel)
+        if names == "*" or (names and getattr(item, "originalname", item.name) in names):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def granite_raw() -> dict:
     """The granite-3.0-1b-a400m routing trace as its raw JSON (24 layers, 32 experts, top-8; the copy

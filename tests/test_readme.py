@@ -1,0 +1,176 @@
+"""The README as a new user pastes it (issue 17): its loopback-RPC blocks run as written, in order, and
+its test commands say what they do.
+
+The loopback section's shell and Python blocks are read from README.md itself, so the README and
+this test cannot drift apart. They run in one bash, in order, the way a user pastes them into one
+terminal with the venv active (a ``python`` block is what the user types into ``python`` started
+there: ``python - <<EOF``); only the two fixed ports are swapped for free ones.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pybmoe import engine
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+LOOPBACK = "### Without a GPU: the loopback RPC device"
+
+
+def section_blocks(heading: str, text: str | None = None) -> list[tuple[str, str]]:
+    """``(language, code)`` of the fenced blocks under ``heading``, up to the next heading of the same
+    or a higher level."""
+    text = README.read_text() if text is None else text
+    level = len(heading) - len(heading.lstrip("#"))
+    lines = text.splitlines()
+    assert heading in lines, f"README.md has no heading {heading!r}"
+    start = lines.index(heading) + 1
+    body = []
+    for ln in lines[start:]:
+        m = re.match(r"^(#+) ", ln)
+        if m and len(m.group(1)) <= level:
+            break
+        body.append(ln)
+    return [(m.group(1), m.group(2)) for m in re.finditer(r"^```(\w*)\n(.*?)^```$", "\n".join(body) + "\n",
+                                                           re.M | re.S)]
+
+
+def test_section_blocks_reads_fences_under_one_heading():
+    text = "## A\n```sh\na\n```\n### B\n```python\nb\n```\ntext\n```sh\nc\n```\n## C\n```sh\nd\n```\n"
+    assert section_blocks("### B", text) == [("python", "b\n"), ("sh", "c\n")]
+    assert section_blocks("## A", text) == [("sh", "a\n"), ("python", "b\n"), ("sh", "c\n")]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_the_loopback_flow_runs_as_pasted(tmp_path):
+    """rpc server, pybmoe serve, the openai client, curl /metrics, stop; then pybmoe.Llama on the same
+    device; then stop the device. Servers start, answer, and nothing is left running."""
+    pytest.importorskip("openai")
+    blocks = section_blocks(LOOPBACK)
+    assert [lang for lang, _ in blocks] == ["sh", "python", "sh"]
+    rpc_port, http_port = engine.free_port(), engine.free_port()
+    script = []
+    for lang, code in blocks:
+        code = re.sub(r"\b50052\b", str(rpc_port), re.sub(r"\b8080\b", str(http_port), code))
+        script.append(code if lang == "sh" else f"python - <<'PYBMOE_README_PY'\n{code}PYBMOE_README_PY\n")
+    (tmp_path / "pasted.sh").write_text("\n".join(script))
+    # the user's shell: the venv active (its bin first on PATH); the checkout's package, as every test
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(["bash", "pasted.sh"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        left = _group_alive(proc.pid)
+        if left:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    logs = "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in tmp_path.glob("*.log"))
+    why = f"stdout:\n{out}\nstderr:\n{err[-4000:]}{logs}"
+    assert not left, "the README's blocks left a process running\n" + why
+    assert not _listening(rpc_port) and not _listening(http_port), why
+    assert proc.returncode == 0, why
+    # the server became healthy, answered the client and counted its cache on /metrics
+    assert '{"status":"ok"}' in out, why
+    assert re.search(r"^llamacpp:moe_cache_hits_total\S* \d", out, re.M), why
+    assert re.search(r"^[^\n]*moe-cache: [\d.]+% hit, resident", out, re.M), why  # grep of server.log
+    # pybmoe.Llama answered on the same device, with its stats, and quietly (verbose=False)
+    assert re.search(r"^MoeCacheStats\(hits=\d+, misses=\d+", out, re.M), why
+    assert "Failed to connect" not in err + logs and "Traceback" not in err, why
+    assert len(err.splitlines()) < 12, why  # a few engine lines, not the loader's hundreds
+
+
+def test_the_test_commands_show_progress_by_file_and_have_a_fast_subset(tmp_path):
+    """tools/test.sh runs pytest at its default verbosity (one line per test file, with its seconds:
+    tests/conftest.py), not -q's bare dots; `-m "not slow"` is a registered marker expression."""
+    sh = (ROOT / "tools" / "test.sh").read_text()
+    line = next(ln for ln in sh.splitlines() if "-m pytest" in ln)
+    assert not re.search(r"\s-q\b|\s-v\b", line), line
+    readme = README.read_text()
+    assert 'tools/test.sh -m "not slow"' in readme
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/test_cli.py",
+                        "tests/test_readme.py", "-m", "not slow", "--strict-markers",
+                        "-k", "not progress_by_file"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^tests/test_cli\.py \.+ \d+ s +\[ *\d+%\]$", r.stdout, re.M), r.stdout
+    assert re.search(r"^tests/test_readme\.py \.+ \d+ s +\[100%\]$", r.stdout, re.M), r.stdout
+    assert "deselected" in r.stdout  # the slow README flow is left out
+
+
+def test_every_test_the_slow_table_names_exists():
+    """tests/conftest.py marks slow tests by file and name: a renamed test must not drop out of it."""
+    import ast
+
+    from conftest import SLOW
+    for rel, names in SLOW.items():
+        path = ROOT / rel
+        assert path.is_file(), rel
+        defined = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+        assert names == "*" or not (set(names) - defined), (rel, set(names) - defined)
+
+
+def _demo_sample() -> list[str]:
+    """The demo output pasted under "## The two commands"."""
+    blocks = [code for lang, code in section_blocks("## The two commands") if lang == ""]
+    assert len(blocks) == 1, "one plain block: the demo's sample output"
+    return blocks[0].splitlines()
+
+
+def _labels(lines: list[str]) -> list[str]:
+    return [ln.split(":", 1)[0].rstrip() + ":" if ln else "" for ln in lines]
+
+
+def test_the_readme_demo_sample_is_what_the_demo_prints(model_q8):
+    """The cache part of `pybmoe demo`, run here: the README's sample has its lines, in its order, with
+    the same `why` line word for word (issue 17: the sample had lost `device:` and `text:`, and showed
+    the cache faster than cache-off, which it never is on the loopback device)."""
+    from pybmoe.engine import demo
+    lines: list[str] = []
+    off, on = demo.run_demo(model_q8, n_predict=16, out=lines.append)
+    sample = _demo_sample()
+    first = sample[:sample.index("")]
+    assert _labels(first) == _labels(lines)
+    assert next(ln for ln in first if ln.startswith("why")) == next(ln for ln in lines if ln.startswith("why"))
+    cache = {ln.split(":", 1)[0].strip(): ln for ln in first}
+    tok_s = [float(re.search(r"([\d.]+) tok/s", cache[k]).group(1)) for k in ("cache off", "cache on")]
+    assert tok_s[1] < tok_s[0], "the sample is a run without a GPU: cache on is slower there"
+    assert "IDENTICAL" in cache["output"] and off.text == on.text
+
+
+def test_the_readme_demo_sample_has_the_disk_tier_part():
+    """Its second part: the lines run_stream_demo prints, and the ratio the README quotes."""
+    sample = _demo_sample()
+    second = sample[sample.index("") + 1:]
+    assert _labels(second) == ["disk tier:", "mmap:", "stream:", "ratio:", "output:"]
+    ratio = float(re.search(r"ratio +: ([\d.]+)x", "\n".join(second)).group(1))
+    assert f"{ratio:.1f}×" in README.read_text()
+
+
+def test_pybmoe_demo_prints_the_readme_samples_lines(capsys):
+    """The whole `pybmoe demo`, both parts (about 40 s): the same lines as the README's sample."""
+    from pybmoe.cli import demo as demo_cli
+    assert demo_cli.main([]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert _labels(printed) == _labels(_demo_sample())
