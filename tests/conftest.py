@@ -211,11 +211,26 @@ def model_q4k() -> Path:
     return models.default_model_path("Q4_K")
 
 
+_RPC: list[engine.RpcServer] = []  # the session's loopback device, once started
+
+
 @pytest.fixture(scope="session")
 def rpc():
     """A loopback ggml-rpc-server, the stand-in device, for the whole session."""
     with engine.RpcServer(threads=1) as r:
+        _RPC.append(r)
         yield r
+        _RPC.clear()
+
+
+def pytest_runtest_setup(item):
+    """A test whose engine crashed the session's RPC server (`Remote RPC server crashed`) fails; the
+    tests after it get the server back, on the same port, instead of failing to connect one by one."""
+    if _RPC and "rpc" in getattr(item, "fixturenames", ()) and _RPC[0].proc and _RPC[0].proc.poll() is not None:
+        dead = _RPC[0]
+        print(f"\nconftest: the session's ggml-rpc-server exited ({dead.proc.returncode}); restarting it on "
+              f"{dead.endpoint}")
+        dead.start()
 
 
 @pytest.fixture(scope="session")
