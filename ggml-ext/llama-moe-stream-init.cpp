@@ -30,13 +30,13 @@ struct llama_moe_mem_avail {
     uint64_t meminfo        = 0; // /proc/meminfo MemAvailable
     uint64_t cgroup_limit   = 0; // the process's cgroup (v2 memory.max, v1 memory.limit_in_bytes)
     uint64_t cgroup_usage   = 0;
-    uint64_t cgroup_inactive_file = 0; // reclaimable page cache inside the cgroup
+    uint64_t cgroup_file    = 0; // page cache charged to the cgroup: reclaimable (the dense weights are counted apart)
     std::string cgroup;
 
     uint64_t avail() const {
         uint64_t a = meminfo;
         if (cgroup_limit > 0) {
-            const uint64_t used = cgroup_usage > cgroup_inactive_file ? cgroup_usage - cgroup_inactive_file : 0;
+            const uint64_t used = cgroup_usage > cgroup_file ? cgroup_usage - cgroup_file : 0;
             const uint64_t c = cgroup_limit > used ? cgroup_limit - used : 0;
             a = a ? std::min(a, c) : c;
         }
@@ -87,18 +87,18 @@ static llama_moe_mem_avail llama_moe_read_mem_avail() {
         }
         const std::string ctrl = line.substr(a + 1, b - a - 1);
         const std::string rel  = line.substr(b + 1);
-        uint64_t limit = 0, usage = 0, inactive = 0;
+        uint64_t limit = 0, usage = 0, file = 0;
         std::string dir;
         if (ctrl.empty()) {
             dir      = "/sys/fs/cgroup" + rel;
             limit    = llama_moe_read_u64(dir + "/memory.max");
             usage    = llama_moe_read_u64(dir + "/memory.current");
-            inactive = llama_moe_stat_field(dir + "/memory.stat", "inactive_file");
+            file     = llama_moe_stat_field(dir + "/memory.stat", "file");
         } else if (("," + ctrl + ",").find(",memory,") != std::string::npos) {
             dir      = "/sys/fs/cgroup/memory" + rel;
             limit    = llama_moe_read_u64(dir + "/memory.limit_in_bytes");
             usage    = llama_moe_read_u64(dir + "/memory.usage_in_bytes");
-            inactive = llama_moe_stat_field(dir + "/memory.stat", "total_inactive_file");
+            file     = llama_moe_stat_field(dir + "/memory.stat", "total_cache");
         } else {
             continue;
         }
@@ -106,7 +106,7 @@ static llama_moe_mem_avail llama_moe_read_mem_avail() {
         if (limit > 0 && limit < (1ull << 60) && (m.cgroup_limit == 0 || limit < m.cgroup_limit)) {
             m.cgroup_limit = limit;
             m.cgroup_usage = usage;
-            m.cgroup_inactive_file = inactive;
+            m.cgroup_file  = file;
             m.cgroup = dir;
         }
     }
@@ -252,8 +252,8 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         b = std::min(b, total / mib);
         LLAMA_LOG("%s: moe-stream: auto: MemAvailable %.0f MiB%s -> %.0f MiB available - %.0f MiB dense weights in host "
                 "memory - %d MiB floor%s -> %.0f MiB (experts %.0f MiB, minimum %.0f MiB)\n", __func__, m.meminfo / mib,
-                m.cgroup_limit ? format(", cgroup %s limit %.0f MiB, usage %.0f MiB of which %.0f MiB inactive file",
-                        m.cgroup.c_str(), m.cgroup_limit / mib, m.cgroup_usage / mib, m.cgroup_inactive_file / mib).c_str() : "",
+                m.cgroup_limit ? format(", cgroup %s limit %.0f MiB, usage %.0f MiB of which %.0f MiB page cache",
+                        m.cgroup.c_str(), m.cgroup_limit / mib, m.cgroup_usage / mib, m.cgroup_file / mib).c_str() : "",
                 avail, dense / mib, floor_mib, ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "",
                 std::max(b, 0.0), total / mib, min_bytes / mib);
         if (b * mib < (double) min_bytes) {

@@ -74,6 +74,9 @@ static std::map<ggml_backend_buffer_type_t, std::vector<int>> llama_moe_vram_sel
             continue; // experts already on a device: nothing to cache
         }
         ggml_backend_buffer_type_t rbuft = ggml_backend_buffer_get_type(layer.ffn_gate_inp->buffer);
+        if (llama_moe_buft_is_host(rbuft) && model.n_devices() == 0) {
+            continue; // no device at all: said once by the caller
+        }
         if (llama_moe_buft_is_host(rbuft)) {
             // slots go where the router is; a router that fell back to a host (or pinned host) buffer,
             // for example a type the device does not support, or -ot on the router, leaves no device
@@ -356,6 +359,16 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     if (n_moe == 0) {
         LLAMA_LOG_INFO("%s: moe-cache: model has no MoE layers; --moe-expert-cache is inert\n", __func__);
         return 0;
+    }
+    if (by_buft.empty() && model->n_devices() == 0) {
+        if (estimate) {
+            return 0;
+        }
+        LLAMA_LOG_WARN("%s: moe-cache: WARNING requested %s slots but there is no device to hold them (this build has no "
+                "GPU backend and no --rpc device was given): the cache is OFF; pass --rpc HOST:PORT (a ggml-rpc-server) "
+                "or build with a GPU backend (CMAKE_ARGS=-DGGML_CUDA=ON or -DGGML_VULKAN=ON)\n", __func__,
+                is_auto ? "auto" : std::to_string(n_req).c_str());
+        return -1;
     }
     if (by_buft.empty()) {
         if (estimate) {

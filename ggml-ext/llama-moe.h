@@ -151,7 +151,7 @@ struct llama_moe_stream_stats {
 // Turns the stream tier on: the experts of every host-resident MoE layer (all of them on a CPU-only
 // run) are no longer read through the memory map; each layer step's experts are read from the GGUF
 // into a RAM cache of budget_mib MiB (LLAMA_MOE_STREAM_AUTO: MemAvailable, or the cgroup's limit
-// minus its usage (less its inactive page cache) when smaller, minus the dense weights in host
+// minus its usage (less its page cache) when smaller, minus the dense weights in host
 // memory, minus floor_mib, capped by ceil_mib when > 0). The budget must hold
 // the largest set one layer step can need with ubatches of n_ubatch tokens (min(n_expert, top-k x
 // n_ubatch) experts of the widest layer), else LLAMA_MOE_STREAM_ERR_BUDGET with the arithmetic; a

@@ -102,9 +102,6 @@ def test_demo_rejects_bad_values_before_starting_anything(model_q8):
         demo.run_demo(model_q8, slots=-3, out=lambda *_: pytest.fail("started"))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 point 3, the engine's half: the WARN of llama_moe_vram_init "
-                   "(ggml-ext/llama-moe-vram-init.cpp) still tells the user to offload with -ngl and --cpu-moe, "
-                   "which they gave; when this passes, drop the marker")
 def test_the_readme_server_command_without_a_device_names_the_cause(model_q8):
     """README, "Using the cache": `llama-server -m model.gguf -ngl 99 --cpu-moe --moe-expert-cache N` on a
     machine without a GPU runs with the cache off. The WARN must name the cause (no device to hold the
