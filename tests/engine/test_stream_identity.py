@@ -180,3 +180,34 @@ def test_three_tiers_on_the_rpc_device_equal_the_stock_split(rpc, tmp_path, slot
     assert vram_hits > 0 and stream_lookups > 0
     # every lookup the device did not hold went to the stream tier, and no other
     assert stream_lookups == vram_misses
+
+
+def test_a_model_without_moe_layers_is_inert_with_one_info_line(tmp_path):
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3", n_layer=2, n_embd=256, n_ff_exp=256))
+    base = run(model, tmp_path, 1, [], "dense-base")
+    r = run(model, tmp_path, 1, ["--moe-stream-cache-mb", "8", "-v"], "dense")  # -v: INFO lines
+    assert r.log.count("model has no MoE layers; --moe-stream-cache-mb is inert") == 1
+    assert "moe-stream-preamble" not in r.log and r.logits == base.logits
+
+
+def test_a_gguf_truncated_after_load_stops_with_the_file_and_the_offset(tmp_path):
+    """The experts are read at run time: a file cut short after the load (here without mmap, so the
+    dense weights are already in RAM) makes the first read past its end fail, naming the file and
+    the offset, instead of computing with missing bytes."""
+    import shutil
+    import subprocess
+    import sys
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    copy = tmp_path / "cut.gguf"
+    shutil.copy(model, copy)
+    script = (
+        "import os, sys\n"
+        "from pybmoe.engine import bindings\n"
+        "p = sys.argv[1]\n"
+        "llm = bindings.Llama(p, n_gpu_layers=0, moe_stream_cache_mb=4, n_ubatch=1, use_mmap=False, verbose=False)\n"
+        "os.truncate(p, os.path.getsize(p) * 6 // 10)\n"
+        "llm('The stream tier reads experts', max_tokens=4, temperature=0)\n"
+        "print('generated')\n")
+    r = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "generated" not in r.stdout
+    assert "moe-stream: short read" in r.stderr and str(copy) in r.stderr and "at offset" in r.stderr, r.stderr[-2000:]
