@@ -83,8 +83,9 @@ def run_demo(model: Path | None = None, slots: int | None = None, inserts: int =
     out(f"cache on  : {on.tokens_predicted} tokens, {on.decode_tok_s:.1f} tok/s decode, {slots} slots/layer, "
         f"inserts {inserts or 'unlimited'}: {s.hit_pct:.1f}% hit, resident {s.resident_mib:.1f} MiB, "
         f"uploads {s.uploads} ({s.upload_mib:.1f} MiB)")
-    out("why       : the loopback device is this same CPU behind a socket, so the cache only adds work here "
-        "(a GPU is where it pays); without a GPU the speed-up to see is the disk tier's (pybmoe demo's second part)")
+    out("why       : the loopback device is this same CPU behind a socket, so the cache cannot make decode faster "
+        "here (a GPU is where it pays; single runs on a busy machine swing either way); without a GPU the "
+        "speed-up to see is the disk tier's (pybmoe demo's second part)")
     out(f"output    : {'IDENTICAL' if same else 'DIFFERENT'} ({len(on.text.encode())} bytes)")
     out(f"text      : {on.text[:200]!r}  (random weights: the text is noise; what matters is that it is identical)")
     return off, on
