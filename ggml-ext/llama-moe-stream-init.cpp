@@ -168,8 +168,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         }
         n_moe++;
         const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
-        const int n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
-                                               layer.ffn_gate_up_exps, exps);
+        const int n_proj = llama_moe_layer_exps(layer, exps);
         if (n_proj == 0) {
             not_streamed["the layer has no down experts"].push_back(il);
             continue;
@@ -219,8 +218,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     for (int il : ils) {
         const auto & layer = model->layers[il];
         const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
-        const int n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
-                                               layer.ffn_gate_up_exps, exps);
+        const int n_proj = llama_moe_layer_exps(layer, exps);
         size_t e = 0;
         for (int p = 0; p < n_proj; ++p) {
             e += exps[p]->nb[2];
@@ -289,8 +287,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         l.il = il;
         l.li = (int32_t) st.layers.size();
         const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
-        l.n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
-                                       layer.ffn_gate_up_exps, exps);
+        l.n_proj = llama_moe_layer_exps(layer, exps);
         for (int p = 0; p < l.n_proj; ++p) {
             l.exps[p] = const_cast<ggml_tensor *>(exps[p]);
             l.src[p]  = mc->sources.tensors.at(ggml_get_name(exps[p]));

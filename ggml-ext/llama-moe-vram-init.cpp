@@ -63,8 +63,7 @@ static std::map<ggml_backend_buffer_type_t, std::vector<int>> llama_moe_vram_sel
         }
         n_moe++;
         const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
-        const int n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
-                                               layer.ffn_gate_up_exps, exps);
+        const int n_proj = llama_moe_layer_exps(layer, exps);
         if (n_proj == 0) {
             not_cached["the layer has no down experts"].push_back(il);
             continue;
@@ -173,8 +172,7 @@ static void llama_moe_vram_layer_mib(const llama_model & model, const std::vecto
             fixed += ggml_nbytes(bias[b]) / 1024.0 / 1024.0;
         }
         const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
-        const int n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
-                                               layer.ffn_gate_up_exps, exps);
+        const int n_proj = llama_moe_layer_exps(layer, exps);
         for (int p = 0; p < n_proj; ++p) {
             per_slot += exps[p]->nb[2] / 1024.0 / 1024.0;
         }
@@ -194,8 +192,7 @@ static void llama_moe_vram_fit_count(llama_model & model, const std::map<ggml_ba
         for (int il : ils) {
             const auto & layer = model.layers[il];
             const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
-            const int n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
-                                                   layer.ffn_gate_up_exps, exps);
+            const int n_proj = llama_moe_layer_exps(layer, exps);
             for (int p = 0; p < n_proj; ++p) {
                 const ggml_tensor * t = exps[p];
                 ggml_new_tensor_3d(ctx.get(), t->type, t->ne[0], t->ne[1], dev_slots + stage_for(dev_slots) + 1);
@@ -237,8 +234,7 @@ static bool llama_moe_vram_alloc(llama_model & model, llama_moe_cache & mc, ggml
         l.ir = vram.res.add_layer(n_expert, dev_slots, n_stage);
         const char * names[LLAMA_MOE_N_PROJ] = {};
         const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
-        l.n_proj = llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
-                                       layer.ffn_gate_up_exps, exps, names);
+        l.n_proj = llama_moe_layer_exps(layer, exps, names);
         for (int p = 0; p < l.n_proj; ++p) {
             const ggml_tensor * t = exps[p];
             l.exps[p] = t;

@@ -45,6 +45,11 @@ int llama_moe_proj_list(const ggml_tensor * up, const ggml_tensor * gate, const 
     return n;
 }
 
+int llama_moe_layer_exps(const llama_layer & layer, const ggml_tensor * out[LLAMA_MOE_N_PROJ],
+                         const char * names[LLAMA_MOE_N_PROJ]) {
+    return llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps, layer.ffn_gate_up_exps, out, names);
+}
+
 int llama_moe_bias_list(const llama_layer & layer, const ggml_tensor * out[LLAMA_MOE_N_BIAS]) {
     int n = 0;
     for (const ggml_tensor * b : { layer.ffn_up_exps_b, layer.ffn_gate_exps_b, layer.ffn_gate_up_exps_b, layer.ffn_down_exps_b }) {

@@ -31,6 +31,10 @@ int llama_moe_proj_list(const ggml_tensor * up, const ggml_tensor * gate, const 
                         const ggml_tensor * gate_up, const ggml_tensor * out[LLAMA_MOE_N_PROJ],
                         const char * names[LLAMA_MOE_N_PROJ] = nullptr);
 
+// llama_moe_proj_list over a model layer's expert tensors (the layer walks of both tiers' init)
+int llama_moe_layer_exps(const llama_layer & layer, const ggml_tensor * out[LLAMA_MOE_N_PROJ],
+                         const char * names[LLAMA_MOE_N_PROJ] = nullptr);
+
 // the per-expert biases of a cached layer (add_id with the original ids): up, gate or fused gate_up,
 // which the device chain adds before the down projection, and down, which build_moe_ffn adds once after
 // the two chains are summed (llama_moe_cache_bias); a device copy of each keeps that work on the device

@@ -606,17 +606,34 @@ def _std(name: str, shape: tuple[int, ...]) -> float | None:
     return 1.0 / np.sqrt(fan_in)
 
 
-def write_model(spec: ModelSpec, path: str | os.PathLike, *, vocab_path: str | os.PathLike | None = None) -> Path:
-    """Write the model described by ``spec`` to ``path`` (atomically) and return it."""
+def write_model(spec: ModelSpec, path: str | os.PathLike, *, vocab_path: str | os.PathLike | None = None,
+                split_max_tensors: int = 0) -> Path:
+    """Write the model described by ``spec`` to ``path`` (atomically) and return it.
+
+    ``split_max_tensors`` > 0 writes a split GGUF of at most that many tensors per file, named as
+    llama.cpp's ``gguf-split`` names them (``<stem>-00001-of-0000N.gguf`` next to ``path``); the
+    first file's path is returned, which is what ``-m`` takes. Raises :class:`ValueError` for a
+    negative ``split_max_tensors``.
+    """
     path = Path(path)
+    if split_max_tensors < 0:
+        raise ValueError(f"split_max_tensors={split_max_tensors}: expected 0 (one file) or a tensor count > 0")
     kvs = tokenizer_kvs(vocab_path if vocab_path is not None else default_vocab_path())
     n_vocab = _n_vocab(kvs)
     arch = spec.arch
     rng = np.random.default_rng(spec.seed)
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    w = gguf.GGUFWriter(tmp, arch)
+    tmpdir = None
+    if split_max_tensors:
+        # the shards are named after the path they are written to: write them under their final
+        # names in a private folder, then move each into place
+        tmpdir = path.parent / f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.split"
+        tmpdir.mkdir()
+        tmp = tmpdir / path.name
+    else:
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    w = gguf.GGUFWriter(tmp, arch, split_max_tensors=split_max_tensors)
     try:
         w.add_name(f"pybmoe-{spec.name}")
         w.add_file_type(int(_FILE_TYPE[spec.ftype]))
@@ -658,9 +675,18 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, *, vocab_path: str | o
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.replace(tmp, path)
+        if tmpdir is None:
+            os.replace(tmp, path)
+        else:
+            shards = sorted(tmpdir.iterdir())
+            for shard in shards:
+                os.replace(shard, path.parent / shard.name)
+            tmpdir.rmdir()
+            path = path.parent / shards[0].name
     except BaseException:
         w.close()
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
         try:
             os.unlink(tmp)
         except FileNotFoundError:

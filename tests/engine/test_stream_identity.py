@@ -211,3 +211,62 @@ def test_a_gguf_truncated_after_load_stops_with_the_file_and_the_offset(tmp_path
     r = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "generated" not in r.stdout
     assert "moe-stream: short read" in r.stderr and str(copy) in r.stderr and "at offset" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def split_model(tmp_path_factory) -> Path:
+    """The qwen3moe test model written as a split GGUF of 8 tensors per file (4 files; the experts
+    of the two layers sit in different files)."""
+    out = tmp_path_factory.mktemp("split") / "split.gguf"
+    return models.writer.write_model(models.ModelSpec(arch="qwen3moe", **SHAPE), out, split_max_tensors=8)
+
+
+@pytest.mark.parametrize("ub", [1, 32])
+def test_a_split_gguf_is_streamed_in_place(split_model, tmp_path, ub):
+    """Each expert is read from the file that holds it, at its offset there (the loader's file index
+    per tensor), not from the first file: the logits equal the all-resident run of the same split
+    model and of the one-file model."""
+    from gguf import GGUFReader
+    files = sorted(split_model.parent.glob("split-*-of-*.gguf"))
+    assert len(files) == 4
+    holders = {f.name for f in files for t in GGUFReader(f).tensors if "_exps" in t.name}
+    assert len(holders) >= 2, holders  # the experts really are spread over files
+    one_file = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    base = run(one_file, tmp_path, ub, [], f"one-file-{ub}")
+    split_base = run(split_model, tmp_path, ub, [], f"split-base-{ub}")
+    assert split_base.logits == base.logits
+    for mib in budgets(one_file, ub).values():
+        r = run(split_model, tmp_path, ub, ["--moe-stream-cache-mb", str(mib)], f"split-{ub}-{mib}")
+        assert r.logits == base.logits, f"split GGUF, budget {mib} MiB at ubatch {ub}: logits differ"
+        assert all(h + m > 0 for h, m in r.stream_layers.values()) and len(r.stream_layers) == SHAPE["n_layer"]
+
+
+def test_a_file_unreadable_after_load_turns_the_tier_off_loudly_naming_it(tmp_path):
+    """The tier opens the GGUF again for its own reads. A file that is gone or unreadable by then (here
+    renamed between the load and the tier's start, through the C API as the bindings call it) fails
+    the start with an error naming the file, and the Python API raises instead of running without
+    the tier."""
+    import subprocess
+    import sys
+    import shutil
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    copy = tmp_path / "gone.gguf"
+    shutil.copy(model, copy)
+    script = (
+        "import ctypes, os, sys\n"
+        "import llama_cpp\n"
+        "from pybmoe.engine import bindings\n"
+        "lib = bindings._llama_lib()\n"
+        "p = sys.argv[1]\n"
+        "llama_cpp.llama_backend_init()\n"
+        "mp = llama_cpp.llama_model_default_params(); mp.n_gpu_layers = 0\n"
+        "m = llama_cpp.llama_model_load_from_file(p.encode(), mp)\n"
+        "assert m\n"
+        "os.rename(p, p + '.moved')\n"
+        "rc = lib.llama_model_moe_stream_init(m, 4, 1536, 0, 4, 1)\n"
+        "print('rc', rc, flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "rc -1" in r.stdout, r.stdout
+    assert f"moe-stream: cannot open {copy}" in r.stderr and "No such file or directory" in r.stderr
+    assert "the stream tier is OFF" in r.stderr
