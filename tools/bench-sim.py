@@ -5,7 +5,9 @@ A benchmark, not a test: it prints a table and writes a CSV (default out/bench-s
 asserts nothing. The trace is synthetic (seeded): ``--layers`` x ``--experts``, top-``--top-k``,
 ``--tokens`` decode tokens in ``--workloads`` workloads, with Zipf-skewed experts per layer and
 ``--stick`` of a token's experts carried over from the previous token, like real routing.
-Each policy is timed ``--repeat`` times at each budget; the median is reported.
+The trace is prepared once, before any timing (sort orders, units, the static policy's counts:
+what every budget shares, as in a sweep). Each policy is timed ``--repeat`` times at each
+budget; the median is reported.
 
     python tools/bench-sim.py                      # ~8 M events per run, the compiled core
     python tools/bench-sim.py --backend python --tokens 2000
@@ -72,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     rp = sim.prepare(trace)
     rp.layer_units(1)
     rp.global_units("decode")
+    rp.static_counts("decode")
     rp.overlap()
     t_prep = time.perf_counter() - t0
     n = rp.n_rows
     backend = "c" if a.backend != "python" and sim.have_core() else "python"
+    core = f" ({sim.core_path()})" if backend == "c" else ""
     print(f"trace: {n:,} events ({a.workloads} workloads x {per} tokens x {a.layers} layers x top-{a.top_k} of "
           f"{a.experts}); generated in {t_gen:.1f} s, prepared in {t_prep:.2f} s ({n / t_prep / 1e6:.1f} M events/s); "
-          f"backend {backend}")
+          f"backend {backend}{core}")
     rows = []
     for p in a.policies.split(","):
         for s in (int(x) for x in a.slots.split(",")):

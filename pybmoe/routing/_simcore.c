@@ -1,7 +1,8 @@
-// pybmoe/_simcore.c: the compiled replay core of pybmoe.sim, loaded with ctypes.
+// pybmoe/routing/_simcore.c: the compiled replay core of pybmoe.routing.sim, loaded with ctypes.
 //
-// Two entry points, each the exact twin of a pure-Python function in pybmoe/sim.py (the tests
-// check that both give identical results on random traces):
+// Two entry points, each the exact twin of a pure-Python function in pybmoe/routing/sim.py (the
+// tests check that both give identical results on random traces and unit streams:
+// tests/routing/test_sim.py, tests/routing/test_sim_core.py):
 //
 //   pybmoe_sim_layer_lru  <->  sim._layer_lru_py   the engine's per-layer policy, with its upload lag
 //   pybmoe_sim_global     <->  sim._global_py      global-lru, fifo, lfu, belady over (layer, expert)
@@ -11,7 +12,7 @@
 // SIM_RESET starts a new stream (a cold cache); SIM_SERVED marks a unit the engine's cache serves.
 // Results are written per event: 1 hit, 0 miss, -1 not served.
 //
-// Build for development: gcc -O2 -shared -fPIC -o pybmoe/_simcore.so pybmoe/_simcore.c
+// Build for development: gcc -O2 -shared -fPIC -o pybmoe/routing/_simcore.so pybmoe/routing/_simcore.c
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,23 +30,21 @@ int32_t pybmoe_simcore_version(void) {
 }
 
 // ---------------------------------------------------------------- indexed min-heap of ids
-// keys are (a, b), compared lexicographically; every (a, b) is unique because b ends in the id
+// keys are int64, unique (they end in the id); layer-lru's residents
 
 typedef struct {
     int32_t * heap; // [cap] heap position -> id
     int32_t * pos;  // [n_ids] id -> heap position, -1 when absent
-    int64_t * ka;   // [n_ids]
-    int64_t * kb;   // [n_ids]
+    int64_t * key;  // [n_ids]
     int32_t   n;
 } iheap;
 
 static int iheap_init(iheap * h, int32_t n_ids, int32_t cap) {
     h->heap = malloc(sizeof(int32_t) * (size_t) (cap > 0 ? cap : 1));
     h->pos  = malloc(sizeof(int32_t) * (size_t) n_ids);
-    h->ka   = malloc(sizeof(int64_t) * (size_t) n_ids);
-    h->kb   = malloc(sizeof(int64_t) * (size_t) n_ids);
+    h->key  = malloc(sizeof(int64_t) * (size_t) n_ids);
     h->n    = 0;
-    if (!h->heap || !h->pos || !h->ka || !h->kb) {
+    if (!h->heap || !h->pos || !h->key) {
         return SIM_ENOMEM;
     }
     memset(h->pos, 0xff, sizeof(int32_t) * (size_t) n_ids);
@@ -53,11 +52,7 @@ static int iheap_init(iheap * h, int32_t n_ids, int32_t cap) {
 }
 
 static void iheap_free(iheap * h) {
-    free(h->heap); free(h->pos); free(h->ka); free(h->kb);
-}
-
-static inline int iheap_less(const iheap * h, int32_t x, int32_t y) {
-    return h->ka[x] < h->ka[y] || (h->ka[x] == h->ka[y] && h->kb[x] < h->kb[y]);
+    free(h->heap); free(h->pos); free(h->key);
 }
 
 static inline void iheap_place(iheap * h, int32_t i, int32_t id) {
@@ -65,11 +60,12 @@ static inline void iheap_place(iheap * h, int32_t i, int32_t id) {
     h->pos[id] = i;
 }
 
-static void iheap_up(iheap * h, int32_t i) {
+static inline void iheap_up(iheap * h, int32_t i) {
     const int32_t id = h->heap[i];
+    const int64_t k  = h->key[id];
     while (i > 0) {
         const int32_t p = (i - 1) >> 1;
-        if (!iheap_less(h, id, h->heap[p])) {
+        if (k >= h->key[h->heap[p]]) {
             break;
         }
         iheap_place(h, i, h->heap[p]);
@@ -78,17 +74,18 @@ static void iheap_up(iheap * h, int32_t i) {
     iheap_place(h, i, id);
 }
 
-static void iheap_down(iheap * h, int32_t i) {
+static inline void iheap_down(iheap * h, int32_t i) {
     const int32_t id = h->heap[i];
+    const int64_t k  = h->key[id];
     for (;;) {
         int32_t c = 2 * i + 1;
         if (c >= h->n) {
             break;
         }
-        if (c + 1 < h->n && iheap_less(h, h->heap[c + 1], h->heap[c])) {
+        if (c + 1 < h->n && h->key[h->heap[c + 1]] < h->key[h->heap[c]]) {
             c++;
         }
-        if (!iheap_less(h, h->heap[c], id)) {
+        if (h->key[h->heap[c]] >= k) {
             break;
         }
         iheap_place(h, i, h->heap[c]);
@@ -97,25 +94,13 @@ static void iheap_down(iheap * h, int32_t i) {
     iheap_place(h, i, id);
 }
 
-static void iheap_push(iheap * h, int32_t id, int64_t a, int64_t b) {
-    h->ka[id] = a;
-    h->kb[id] = b;
+static inline void iheap_push(iheap * h, int32_t id, int64_t k) {
+    h->key[id] = k;
     iheap_place(h, h->n++, id);
     iheap_up(h, h->n - 1);
 }
 
-static void iheap_set(iheap * h, int32_t id, int64_t a, int64_t b) {
-    const int64_t oa = h->ka[id], ob = h->kb[id];
-    h->ka[id] = a;
-    h->kb[id] = b;
-    if (a < oa || (a == oa && b < ob)) {
-        iheap_up(h, h->pos[id]);
-    } else {
-        iheap_down(h, h->pos[id]);
-    }
-}
-
-static int32_t iheap_pop(iheap * h) {
+static inline int32_t iheap_pop(iheap * h) {
     const int32_t top = h->heap[0];
     h->pos[top] = -1;
     h->n--;
@@ -143,7 +128,12 @@ static void iheap_clear(iheap * h) {
 // upload is dropped), then the distinct misses of this unit are scheduled (insert cap, free
 // physical slots).
 //
+// The residents: up to SIM_SCAN_SLOTS slots an array scanned for the victim (a few cycles per
+// resident, nothing per hit), above that a min-heap on (used, id) whose keys catch up lazily.
+//
 // counters[0] += uploads completed (admitted or dropped), counters[1] += uploads dropped.
+
+#define SIM_SCAN_SLOTS 64
 
 int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
                              const int32_t * expert, int32_t n_expert, int32_t slots, int32_t cap,
@@ -158,7 +148,9 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
     int64_t * missmark = calloc((size_t) n_expert, sizeof(int64_t)); // unit + 1 that listed e in misses
     int32_t * flight   = malloc(sizeof(int32_t) * (size_t) n_expert);
     int32_t * misses   = malloc(sizeof(int32_t) * (size_t) n_expert);
-    if (rc != SIM_OK || !resident || !used || !missmark || !flight || !misses) {
+    int32_t * rs       = malloc(sizeof(int32_t) * (size_t) slots); // the residents, in no order (scan)
+    const int scan     = slots <= SIM_SCAN_SLOTS;
+    if (rc != SIM_OK || !resident || !used || !missmark || !flight || !misses || !rs) {
         rc = SIM_ENOMEM;
         goto done;
     }
@@ -180,8 +172,7 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
                 const int32_t e = expert[i];
                 used[e] = step;
                 if (resident[e]) {
-                    out[i] = 1;
-                    iheap_set(&h, e, step, e);
+                    out[i] = 1; // its heap key lags until it reaches the top (below)
                 } else {
                     out[i] = 0;
                     if (missmark[e] != u + 1) {
@@ -198,18 +189,45 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
             const int32_t e = flight[i];
             counters[0]++;
             if (n_res == slots) {
-                const int32_t v = h.heap[0];
+                // the victim: the least (used, id) among the residents
+                int32_t v, j = 0;
+                if (scan) {
+                    int64_t best = used[rs[0]] * n_expert + rs[0];
+                    for (int32_t x = 1; x < n_res; ++x) {
+                        const int64_t k = used[rs[x]] * n_expert + rs[x];
+                        j    = k < best ? x : j;
+                        best = k < best ? k : best;
+                    }
+                    v = rs[j];
+                } else {
+                    // heap keys only lag (a hit raises used[] and leaves the heap as it is): a top
+                    // whose key is current is the least; a top that lags gets its key and sinks
+                    v = h.heap[0];
+                    for (int64_t k = used[v] * n_expert + v; h.key[v] != k; k = used[v] * n_expert + v) {
+                        h.key[v] = k;
+                        iheap_down(&h, 0);
+                        v = h.heap[0];
+                    }
+                }
                 if (used[v] >= last_step) { // every resident was selected at the last step
                     counters[1]++;
                     continue;
                 }
-                iheap_pop(&h);
+                if (scan) {
+                    rs[j] = rs[n_res - 1];
+                } else {
+                    iheap_pop(&h);
+                }
                 resident[v] = 0;
                 n_res--;
             }
             resident[e] = 1;
+            if (scan) {
+                rs[n_res] = e;
+            } else {
+                iheap_push(&h, e, used[e] * n_expert + e);
+            }
             n_res++;
-            iheap_push(&h, e, used[e], e);
         }
         n_flight = 0;
         // --- and this unit's misses are scheduled into free physical slots
@@ -230,7 +248,7 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
     }
 done:
     iheap_free(&h);
-    free(resident); free(used); free(missmark); free(flight); free(misses);
+    free(resident); free(used); free(missmark); free(flight); free(misses); free(rs);
     return rc;
 }
 
@@ -242,46 +260,470 @@ done:
 // is the minimum of the policy's key among residents the unit does not need; with no victim
 // the entry is not admitted (bypassed). A later lookup of an admitted entry within the same
 // unit is a hit. Keys (all end in the id, so they are unique):
-//   global-lru (last unit that needed it, id)     fifo (unit it was admitted at, id)
+//   global-lru (last lookup: the event index)     fifo (unit it was admitted at, id)
 //   lfu (units that needed it since admission, last unit, id)
 //   belady (-next unit that needs it, id); the incoming entry is bypassed when its own next
 //   use is no sooner than the victim's.
+//
+// No heap: each policy keeps its residents in key order where the minimum is at hand (lists
+// for global-lru and fifo, frequency buckets for lfu, next-use buckets under a bit tree for
+// belady). The residents a unit needs (marked) keep their old place and key while the unit
+// admits: the victim search walks up from the minimum with a cursor that skips marked entries
+// (global-lru, fifo, lfu; belady's marked entries all sit in the current unit's bucket, below
+// every other), so a unit costs about O(its lookups) whatever it evicts. After the unit its entries
+// get their new keys, which lie above every other resident's (global-lru, fifo, lfu; in id
+// order where they tie) or are placed by value (belady).
 //
 // counters[0] += entries admitted.
 
 #define SIM_NEVER ((int64_t) 1 << 62)
 
-int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
-                          const int32_t * entry, int32_t n_entries, int64_t capacity, int8_t * out,
-                          int64_t * counters) {
-    if (policy < SIM_GLOBAL_LRU || policy > SIM_BELADY || n_units < 0 || n_entries <= 0 || capacity < 0) {
-        return SIM_EINVAL;
+typedef struct {
+    uint8_t * resident;  // [n]
+    int64_t * mark;      // [n] unit + 1 that needs it
+    int64_t * first_ev;  // [n] event of its first lookup in that unit
+    int32_t * buf;       // [n] a unit's admissions (fifo), kept in id order
+} gstate;
+
+static int gstate_init(gstate * g, int32_t n) {
+    g->resident = calloc((size_t) n, 1);
+    g->mark     = calloc((size_t) n, sizeof(int64_t));
+    g->first_ev = calloc((size_t) n, sizeof(int64_t));
+    g->buf      = malloc(sizeof(int32_t) * (size_t) n);
+    return g->resident && g->mark && g->first_ev && g->buf ? SIM_OK : SIM_ENOMEM;
+}
+
+static void gstate_free(gstate * g) {
+    free(g->resident); free(g->mark); free(g->first_ev); free(g->buf);
+}
+
+// pass 1: the cache as it was before the unit answers every lookup, and the unit's entries are
+// marked; returns whether an entry is looked up twice
+static inline int unit_answer(gstate * g, int64_t b, int64_t end, const int32_t * entry, int64_t tag, int8_t * out) {
+    int dup = 0;
+    for (int64_t i = b; i < end; ++i) {
+        const int32_t e = entry[i];
+        if (g->mark[e] != tag) {
+            g->mark[e]     = tag;
+            g->first_ev[e] = i;
+        } else {
+            dup = 1;
+        }
+        out[i] = (int8_t) g->resident[e];
     }
-    if (capacity > n_entries) {
-        capacity = n_entries;
+    return dup;
+}
+
+// pass 3 (T > 1 only): a repeated lookup of an entry admitted at this unit hits
+static inline void unit_repeats(const gstate * g, int64_t b, int64_t end, const int32_t * entry, int8_t * out) {
+    for (int64_t i = b; i < end; ++i) {
+        const int32_t e = entry[i];
+        if (out[i] == 0 && g->first_ev[e] != i && g->resident[e]) {
+            out[i] = 1;
+        }
     }
-    const int64_t n_events = n_units > 0 ? unit_start[n_units] : 0;
-    iheap h;
-    int rc = iheap_init(&h, n_entries, (int32_t) capacity);
-    uint8_t * resident = calloc((size_t) n_entries, 1);
-    int64_t * mark     = calloc((size_t) n_entries, sizeof(int64_t)); // unit + 1 that needs it
-    int64_t * freq     = calloc((size_t) n_entries, sizeof(int64_t));
-    int64_t * first_ev = calloc((size_t) n_entries, sizeof(int64_t)); // event of its first lookup in the unit
-    int32_t * stash    = malloc(sizeof(int32_t) * (size_t) (n_entries));
-    int64_t * next     = NULL; // belady: per event, the next unit of the same stream that needs the entry
-    int64_t * seen     = NULL;
-    if (rc != SIM_OK || !resident || !mark || !freq || !first_ev || !stash) {
+}
+
+// e into g->buf [0, n), kept in id order (a unit's few entries)
+static inline void sorted_put(gstate * g, int32_t n, int32_t e) {
+    int32_t j = n;
+    while (j > 0 && g->buf[j - 1] > e) {
+        g->buf[j] = g->buf[j - 1];
+        j--;
+    }
+    g->buf[j] = e;
+}
+
+// ---- global-lru and fifo: a doubly linked list in key order, node n_entries the sentinel
+
+static inline void dl_unlink(int32_t * prv, int32_t * nxt, int32_t x) {
+    nxt[prv[x]] = nxt[x];
+    prv[nxt[x]] = prv[x];
+}
+
+static inline void dl_append(int32_t * prv, int32_t * nxt, int32_t s, int32_t x) {
+    const int32_t p = prv[s];
+    nxt[p] = x;
+    prv[x] = p;
+    nxt[x] = s;
+    prv[s] = x;
+}
+
+static int32_t sim_list(int is_lru, int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
+                        const int32_t * entry, int32_t n_entries, int64_t capacity, int8_t * out, int64_t * counters) {
+    gstate g;
+    int rc = gstate_init(&g, n_entries);
+    int32_t * prv = malloc(sizeof(int32_t) * ((size_t) n_entries + 1));
+    int32_t * nxt = malloc(sizeof(int32_t) * ((size_t) n_entries + 1));
+    if (rc != SIM_OK || !prv || !nxt) {
         rc = SIM_ENOMEM;
         goto done;
     }
-    if (policy == SIM_BELADY) {
-        next = malloc(sizeof(int64_t) * (size_t) (n_events > 0 ? n_events : 1));
-        seen = malloc(sizeof(int64_t) * (size_t) n_entries);
-        if (!next || !seen) {
-            rc = SIM_ENOMEM;
-            goto done;
+    const int32_t S = n_entries;
+    prv[S] = nxt[S] = S;
+    int64_t n_res = 0;
+    for (int64_t u = 0; u < n_units; ++u) {
+        if (unit_flags[u] & SIM_RESET) {
+            for (int32_t x = nxt[S]; x != S; x = nxt[x]) {
+                g.resident[x] = 0;
+            }
+            prv[S] = nxt[S] = S;
+            n_res = 0;
         }
-        // backwards over each stream: seen[e] = the earliest later unit needing e
+        const int64_t b = unit_start[u], end = unit_start[u + 1];
+        const int64_t tag = u + 1;
+        const int dup = unit_answer(&g, b, end, entry, tag, out);
+        // pass 2: admit the missed entries in order of first appearance
+        int32_t cur = -1, n_adm = 0;
+        for (int64_t i = b; i < end && capacity > 0; ++i) {
+            const int32_t e = entry[i];
+            if (out[i] != 0 || g.first_ev[e] != i) {
+                continue;
+            }
+            if (n_res == capacity) {
+                if (cur < 0) {
+                    cur = nxt[S];
+                }
+                while (cur != S && g.mark[cur] == tag) { // needed by this unit: never evicted
+                    cur = nxt[cur];
+                }
+                if (cur == S) {
+                    continue; // no victim: bypassed, all its lookups in this unit miss
+                }
+                const int32_t v = cur;
+                cur = nxt[v];
+                dl_unlink(prv, nxt, v);
+                g.resident[v] = 0;
+                n_res--;
+            }
+            g.resident[e] = 1;
+            n_res++;
+            counters[0]++;
+            if (is_lru) {
+                dl_append(prv, nxt, S, e); // its place is set below
+            } else {
+                sorted_put(&g, n_adm++, e);
+            }
+        }
+        if (dup) {
+            unit_repeats(&g, b, end, entry, out);
+        }
+        if (is_lru) {
+            // recency per lookup, in rank order: each lookup of a resident entry takes it to the tail
+            for (int64_t i = b; i < end; ++i) {
+                const int32_t e = entry[i];
+                if (g.resident[e] && nxt[e] != S) {
+                    dl_unlink(prv, nxt, e);
+                    dl_append(prv, nxt, S, e);
+                }
+            }
+        } else {
+            for (int32_t j = 0; j < n_adm; ++j) { // admitted at one unit: in id order
+                dl_append(prv, nxt, S, g.buf[j]);
+            }
+        }
+    }
+done:
+    gstate_free(&g);
+    free(prv); free(nxt);
+    return rc;
+}
+
+// ---- lfu: buckets of equal frequency in a list by frequency (a pool of at most capacity + 2
+// nodes, node capacity + 1 the sentinel); in a bucket, entries in (last unit, id) order
+
+typedef struct {
+    int64_t f;        // frequency (-1: the sentinel)
+    int32_t h, t;     // first and last entry, -1 none
+    int32_t n, p;     // next and previous bucket (n: also the free list)
+} lfu_bucket;
+
+typedef struct {
+    int32_t n, p;     // next and previous entry in its bucket, -1 none
+    int32_t b;        // its bucket
+    int32_t pad_;
+    int64_t lastu;    // the last unit that needed it
+} lfu_entry;
+
+typedef struct {
+    lfu_bucket * bk;
+    lfu_entry  * en;
+    int32_t      s, free_;  // sentinel, first free node
+} lfu_t;
+
+static void lfu_reset(lfu_t * q, int32_t n_nodes) {
+    q->s = n_nodes - 1;
+    q->bk[q->s].n = q->bk[q->s].p = q->s;
+    q->bk[q->s].f = -1; // no frequency: the tests below need not look for the sentinel
+    q->free_ = -1;
+    for (int32_t b = n_nodes - 2; b >= 0; --b) {
+        q->bk[b].n = q->free_;
+        q->free_ = b;
+    }
+}
+
+// the bucket of frequency f right after bucket `after`, made if there is none
+static inline int32_t lfu_bucket_after(lfu_t * q, int32_t after, int64_t f) {
+    const int32_t nb = q->bk[after].n;
+    if (q->bk[nb].f == f) {
+        return nb;
+    }
+    const int32_t b = q->free_;
+    lfu_bucket * k = &q->bk[b];
+    q->free_ = k->n;
+    k->f = f;
+    k->h = k->t = -1;
+    k->p = after;
+    k->n = nb;
+    q->bk[after].n = b;
+    q->bk[nb].p = b;
+    return b;
+}
+
+static inline void lfu_remove(lfu_t * q, int32_t e) {
+    const lfu_entry * x = &q->en[e];
+    lfu_bucket * k = &q->bk[x->b];
+    if (x->p >= 0) q->en[x->p].n = x->n; else k->h = x->n;
+    if (x->n >= 0) q->en[x->n].p = x->p; else k->t = x->p;
+    if (k->h < 0) { // empty: back to the free list
+        q->bk[k->p].n = k->n;
+        q->bk[k->n].p = k->p;
+        k->n = q->free_;
+        q->free_ = x->b;
+    }
+}
+
+// e into bucket b after its entry t (-1: first)
+static inline void lfu_insert_after(lfu_t * q, int32_t b, int32_t t, int32_t e) {
+    lfu_bucket * k = &q->bk[b];
+    lfu_entry * x = &q->en[e];
+    const int32_t n = t >= 0 ? q->en[t].n : k->h;
+    x->p = t;
+    x->n = n;
+    x->b = b;
+    if (t >= 0) q->en[t].n = e; else k->h = e;
+    if (n >= 0) q->en[n].p = e; else k->t = e;
+}
+
+static int32_t sim_lfu(int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags, const int32_t * entry,
+                       int32_t n_entries, int64_t capacity, int8_t * out, int64_t * counters) {
+    if (capacity > INT32_MAX - 2) {
+        return SIM_EINVAL;
+    }
+    gstate g;
+    int rc = gstate_init(&g, n_entries);
+    const int32_t n_nodes = (int32_t) capacity + 2;
+    lfu_t q;
+    q.bk = malloc(sizeof(lfu_bucket) * (size_t) n_nodes);
+    q.en = malloc(sizeof(lfu_entry) * (size_t) n_entries);
+    if (rc != SIM_OK || !q.bk || !q.en) {
+        rc = SIM_ENOMEM;
+        goto done;
+    }
+    lfu_reset(&q, n_nodes);
+    int64_t n_res = 0;
+    for (int64_t u = 0; u < n_units; ++u) {
+        if (unit_flags[u] & SIM_RESET) {
+            memset(g.resident, 0, (size_t) n_entries);
+            lfu_reset(&q, n_nodes);
+            n_res = 0;
+        }
+        const int64_t b = unit_start[u], end = unit_start[u + 1];
+        const int64_t tag = u + 1;
+        const int dup = unit_answer(&g, b, end, entry, tag, out);
+        // pass 2: admit the missed entries in order of first appearance; the cursor: entry cx of bucket cb
+        int32_t cb = -1, cx = -1;
+        for (int64_t i = b; i < end && capacity > 0; ++i) {
+            const int32_t e = entry[i];
+            if (out[i] != 0 || g.first_ev[e] != i) {
+                continue;
+            }
+            if (n_res == capacity) {
+                if (cb < 0) {
+                    cb = q.bk[q.s].n;
+                    cx = cb == q.s ? -1 : q.bk[cb].h;
+                }
+                while (cb != q.s) {
+                    if (cx < 0) {
+                        cb = q.bk[cb].n;
+                        cx = cb == q.s ? -1 : q.bk[cb].h;
+                    } else if (g.mark[cx] == tag) { // needed by this unit: never evicted
+                        cx = q.en[cx].n;
+                    } else {
+                        break;
+                    }
+                }
+                if (cb == q.s) {
+                    continue; // bypassed
+                }
+                const int32_t v = cx, nx = q.en[v].n, nb = q.bk[cb].n;
+                lfu_remove(&q, v);
+                if (nx >= 0) {
+                    cx = nx;
+                } else {
+                    cb = nb;
+                    cx = cb == q.s ? -1 : q.bk[cb].h;
+                }
+                g.resident[v] = 0;
+                n_res--;
+            }
+            g.resident[e] = 1;
+            n_res++;
+            counters[0]++;
+        }
+        if (dup) {
+            unit_repeats(&g, b, end, entry, out);
+        }
+        // the unit's entries get their new keys (frequency + 1, or 1 when admitted; this unit; id),
+        // each at the end of its bucket, after the others of this unit there of lower id
+        for (int64_t i = b; i < end; ++i) {
+            const int32_t e = entry[i];
+            if (g.first_ev[e] != i || !g.resident[e]) {
+                continue;
+            }
+            lfu_entry * x = &q.en[e];
+            int32_t nb;
+            if (out[i] != 1) {
+                nb = lfu_bucket_after(&q, q.s, 1);
+            } else {
+                lfu_bucket * ob = &q.bk[x->b];
+                const int64_t f = ob->f + 1;
+                if ((ob->h == e) & (ob->t == e) & (q.bk[ob->n].f != f)) {
+                    ob->f = f; // alone in its bucket, and no bucket of f yet: the bucket moves up
+                    x->lastu = u;
+                    continue;
+                }
+                nb = lfu_bucket_after(&q, x->b, f);
+                lfu_remove(&q, e);
+            }
+            x->lastu = u;
+            int32_t t = q.bk[nb].t;
+            while (t >= 0 && q.en[t].lastu == u && t > e) {
+                t = q.en[t].p;
+            }
+            lfu_insert_after(&q, nb, t, e);
+        }
+    }
+done:
+    gstate_free(&g);
+    free(q.bk); free(q.en);
+    return rc;
+}
+
+// ---- belady: residents are kept by next use. Those needed again by a later unit v sit in the
+// bucket of v (a singly linked list, unsorted: a bucket holds at most the entries unit v looks
+// up), the non-empty buckets in a bit tree (the furthest at hand); those never needed again are
+// in a second bit tree over entries (the lowest id at hand). Every resident is needed at the
+// current unit u or later, and those needed at u (the marked ones) are the bucket of u, the
+// lowest: so the victim is the lowest id never needed again, else the lowest id of the furthest
+// bucket, unless that is u's (no victim).
+
+// a bit set with a summary word per 64 words, and so on up to one word: the lowest or the
+// highest set bit in O(levels)
+typedef struct {
+    uint64_t * w[7];     // level k: bit j says whether word j of level k - 1 is not zero
+    int32_t    levels;
+} bitree;
+
+static int bitree_init(bitree * t, int64_t n_bits) {
+    int64_t n = n_bits > 0 ? n_bits : 1;
+    t->levels = 0;
+    do {
+        n = (n + 63) / 64;
+        t->w[t->levels] = calloc((size_t) n, sizeof(uint64_t));
+        if (!t->w[t->levels++]) {
+            return SIM_ENOMEM;
+        }
+    } while (n > 1 && t->levels < 7);
+    return n == 1 ? SIM_OK : SIM_EINVAL;
+}
+
+static void bitree_free(bitree * t) {
+    for (int32_t k = 0; k < t->levels; ++k) {
+        free(t->w[k]);
+    }
+}
+
+static inline void bitree_set(bitree * t, int64_t i) {
+    for (int32_t k = 0; k < t->levels; ++k) {
+        uint64_t * w = &t->w[k][i >> 6];
+        const uint64_t was = *w;
+        *w = was | ((uint64_t) 1 << (i & 63));
+        if (was) {
+            break; // the levels above know already
+        }
+        i >>= 6;
+    }
+}
+
+static inline void bitree_unset(bitree * t, int64_t i) {
+    for (int32_t k = 0; k < t->levels; ++k) {
+        uint64_t * w = &t->w[k][i >> 6];
+        *w &= ~((uint64_t) 1 << (i & 63));
+        if (*w) {
+            break;
+        }
+        i >>= 6;
+    }
+}
+
+static inline int64_t bitree_max(const bitree * t) {
+    const uint64_t top = t->w[t->levels - 1][0];
+    if (!top) {
+        return -1;
+    }
+    int64_t i = 63 - __builtin_clzll(top);
+    for (int32_t k = t->levels - 2; k >= 0; --k) {
+        i = i * 64 + (63 - __builtin_clzll(t->w[k][i]));
+    }
+    return i;
+}
+
+// unset every bit: O(bits set), not O(size), for streams that reset often
+static void bitree_clear(bitree * t) {
+    for (int64_t x = bitree_max(t); x >= 0; x = bitree_max(t)) {
+        bitree_unset(t, x);
+    }
+}
+
+static inline int64_t bitree_min(const bitree * t) {
+    const uint64_t top = t->w[t->levels - 1][0];
+    if (!top) {
+        return -1;
+    }
+    int64_t i = __builtin_ctzll(top);
+    for (int32_t k = t->levels - 2; k >= 0; --k) {
+        i = i * 64 + __builtin_ctzll(t->w[k][i]);
+    }
+    return i;
+}
+
+static int32_t sim_belady(int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
+                          const int32_t * entry, int32_t n_entries, int64_t capacity, int8_t * out,
+                          int64_t * counters) {
+    const int64_t n_events = n_units > 0 ? unit_start[n_units] : 0;
+    gstate g;
+    int rc = gstate_init(&g, n_entries);
+    // per event: the next unit of the same stream that needs its entry (SIM_NEVER: none)
+    int64_t * next  = malloc(sizeof(int64_t) * (size_t) (n_events > 0 ? n_events : 1));
+    int64_t * seen  = malloc(sizeof(int64_t) * (size_t) n_entries);
+    // the bucket of unit v: its first entry (valid while bit v is set), then enx[] (-1: the last)
+    int32_t * bhead = malloc(sizeof(int32_t) * (size_t) (n_units > 0 ? n_units : 1));
+    int32_t * enx   = malloc(sizeof(int32_t) * (size_t) n_entries);
+    bitree used = { 0 }, never = { 0 };
+    if (rc == SIM_OK && next && seen && bhead && enx) {
+        rc = bitree_init(&used, n_units);
+        if (rc == SIM_OK) {
+            rc = bitree_init(&never, n_entries);
+        }
+    } else {
+        rc = SIM_ENOMEM;
+    }
+    if (rc != SIM_OK) {
+        goto done;
+    }
+    // backwards over each stream: seen[e] = the earliest later unit needing e
+    {
         int64_t end_u = n_units;
         for (int64_t s = n_units - 1; s >= 0; --s) {
             if (!(unit_flags[s] & SIM_RESET) && s > 0) {
@@ -304,96 +746,98 @@ int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_
     int64_t n_res = 0;
     for (int64_t u = 0; u < n_units; ++u) {
         if (unit_flags[u] & SIM_RESET) {
-            iheap_clear(&h);
-            memset(resident, 0, (size_t) n_entries);
+            memset(g.resident, 0, (size_t) n_entries);
+            bitree_clear(&used);
+            bitree_clear(&never);
             n_res = 0;
         }
         const int64_t b = unit_start[u], end = unit_start[u + 1];
         const int64_t tag = u + 1;
-        // pass 1: the cache as it was before the unit answers; residents the unit needs get new keys
-        int dup = 0;
-        for (int64_t i = b; i < end; ++i) {
-            const int32_t e = entry[i];
-            const int first = mark[e] != tag;
-            if (first) {
-                mark[e] = tag;
-                first_ev[e] = i;
-            } else {
-                dup = 1;
-            }
-            if (!resident[e]) {
-                out[i] = 0;
-                continue;
-            }
-            out[i] = 1;
-            if (policy == SIM_GLOBAL_LRU) {
-                iheap_set(&h, e, i, e); // every hit becomes the most recent entry, in rank order
-                continue;
-            }
-            if (!first) {
-                continue;
-            }
-            switch (policy) {
-                case SIM_GLOBAL_LRU: break;
-                case SIM_FIFO: break;
-                case SIM_LFU: freq[e]++; iheap_set(&h, e, freq[e], u * (int64_t) n_entries + e); break;
-                case SIM_BELADY: iheap_set(&h, e, -next[i], e); break;
-            }
-        }
+        const int dup = unit_answer(&g, b, end, entry, tag, out);
         // pass 2: admit the missed entries in order of first appearance
-        for (int64_t i = b; i < end; ++i) {
+        for (int64_t i = b; i < end && capacity > 0; ++i) {
             const int32_t e = entry[i];
-            if (out[i] != 0 || first_ev[e] != i || capacity == 0) {
+            if (out[i] != 0 || g.first_ev[e] != i) {
                 continue;
             }
             if (n_res == capacity) {
-                int32_t n_stash = 0, victim = -1;
-                while (h.n > 0) {
-                    const int32_t x = iheap_pop(&h);
-                    if (mark[x] == tag) {
-                        stash[n_stash++] = x; // needed by this unit: never evicted
-                        continue;
+                const int64_t vn = bitree_min(&never);
+                if (vn >= 0) {
+                    if (next[i] == SIM_NEVER) {
+                        continue; // the incoming entry is never needed again either: bypassed
                     }
-                    victim = x;
-                    break;
+                    bitree_unset(&never, vn);
+                    g.resident[vn] = 0;
+                } else {
+                    const int64_t vb = bitree_max(&used);
+                    if (vb <= u) {
+                        continue; // every resident is needed by this unit: bypassed
+                    }
+                    if (next[i] >= vb) {
+                        continue; // the incoming entry is the one needed furthest away: bypassed
+                    }
+                    int32_t * best = &bhead[vb];
+                    for (int32_t * p = &enx[*best]; *p >= 0; p = &enx[*p]) {
+                        best = *p < *best ? p : best;
+                    }
+                    const int32_t v = *best;
+                    *best = enx[v];
+                    if (bhead[vb] < 0) {
+                        bitree_unset(&used, vb);
+                    }
+                    g.resident[v] = 0;
                 }
-                if (victim >= 0 && policy == SIM_BELADY && next[i] >= -h.ka[victim]) {
-                    stash[n_stash++] = victim; // the incoming entry is the one needed furthest away
-                    victim = -1;
-                }
-                for (int32_t j = 0; j < n_stash; ++j) {
-                    iheap_push(&h, stash[j], h.ka[stash[j]], h.kb[stash[j]]);
-                }
-                if (victim < 0) {
-                    continue; // bypassed: all its lookups in this unit miss
-                }
-                resident[victim] = 0;
                 n_res--;
             }
-            resident[e] = 1;
+            g.resident[e] = 1;
             n_res++;
             counters[0]++;
-            switch (policy) {
-                case SIM_GLOBAL_LRU: iheap_push(&h, e, i, e); break;
-                case SIM_FIFO: iheap_push(&h, e, u, e); break;
-                case SIM_LFU: freq[e] = 1; iheap_push(&h, e, 1, u * (int64_t) n_entries + e); break;
-                case SIM_BELADY: iheap_push(&h, e, -next[i], e); break;
-            }
         }
-        // pass 3 (T > 1 only): a repeated lookup of an entry admitted at this unit hits
         if (dup) {
-            for (int64_t i = b; i < end; ++i) {
-                if (out[i] == 0 && first_ev[entry[i]] != i && resident[entry[i]]) {
-                    out[i] = 1;
-                    if (policy == SIM_GLOBAL_LRU) {
-                        iheap_set(&h, entry[i], i, entry[i]);
-                    }
-                }
+            unit_repeats(&g, b, end, entry, out);
+        }
+        // the unit's entries leave the bucket of u (all of it) for the bucket of their next use
+        bitree_unset(&used, u);
+        for (int64_t i = b; i < end; ++i) {
+            const int32_t e = entry[i];
+            if (g.first_ev[e] != i || !g.resident[e]) {
+                continue;
+            }
+            const int64_t nu = next[i];
+            if (nu == SIM_NEVER) {
+                bitree_set(&never, e);
+            } else if (used.w[0][nu >> 6] >> (nu & 63) & 1) {
+                enx[e] = bhead[nu];
+                bhead[nu] = e;
+            } else {
+                enx[e] = -1;
+                bhead[nu] = e;
+                bitree_set(&used, nu);
             }
         }
     }
 done:
-    iheap_free(&h);
-    free(resident); free(mark); free(freq); free(first_ev); free(stash); free(next); free(seen);
+    gstate_free(&g);
+    bitree_free(&used); bitree_free(&never);
+    free(next); free(seen); free(bhead); free(enx);
     return rc;
+}
+
+int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
+                          const int32_t * entry, int32_t n_entries, int64_t capacity, int8_t * out,
+                          int64_t * counters) {
+    if (policy < SIM_GLOBAL_LRU || policy > SIM_BELADY || n_units < 0 || n_entries <= 0 || capacity < 0) {
+        return SIM_EINVAL;
+    }
+    if (capacity > n_entries) {
+        capacity = n_entries;
+    }
+    const int64_t * st = unit_start;
+    const uint8_t * fl = unit_flags;
+    switch (policy) {
+        case SIM_GLOBAL_LRU: return sim_list(1, n_units, st, fl, entry, n_entries, capacity, out, counters);
+        case SIM_FIFO:       return sim_list(0, n_units, st, fl, entry, n_entries, capacity, out, counters);
+        case SIM_LFU:        return sim_lfu(n_units, st, fl, entry, n_entries, capacity, out, counters);
+        default:             return sim_belady(n_units, st, fl, entry, n_entries, capacity, out, counters);
+    }
 }

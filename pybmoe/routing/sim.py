@@ -52,7 +52,7 @@ import math
 import os
 import sysconfig
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -318,6 +318,7 @@ class _Units:
     start: np.ndarray    # int64 [units + 1]
     flags: np.ndarray    # uint8 [units] _SERVED | _RESET
     wl_units: np.ndarray  # int64 [workloads + 1] first unit of each workload
+    parts: list = field(default_factory=list, compare=False, repr=False)  # _parts(), filled once
 
 
 def _argsort_keys(keys: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -384,6 +385,45 @@ class Replay:
         if key not in self._cache:
             self._cache[key] = (np.ones(self.n_rows, dtype=bool) if phase == "all"
                                 else self.phase_code == tr.PHASES.index(phase))
+        return self._cache[key]
+
+    def accesses(self, phase: str) -> np.ndarray:
+        """Per workload: the rows counted for ``phase`` (int64 ``[workloads]``)."""
+        key = ("acc", phase)
+        if key not in self._cache:
+            self._cache[key] = np.bincount(self.wl[self.mask(phase)], minlength=len(self.workloads)).astype(np.int64)
+        return self._cache[key]
+
+    def counted_events(self, max_batch: int, phase: str) -> np.ndarray | None:
+        """:meth:`mask` in the event order of :meth:`layer_units` (None for ``all``: every event)."""
+        if phase == "all":
+            return None
+        key = ("cev", max_batch, phase)
+        if key not in self._cache:
+            self._cache[key] = self.mask(phase)[self.layer_units(max_batch).rows]
+        return self._cache[key]
+
+    def static_counts(self, phase: str) -> list[tuple[np.ndarray, np.ndarray, slice | np.ndarray, np.ndarray]]:
+        """Per workload, for the static policy: ``(counts, order, rows, entries)``: the lookups of
+        each (layer, expert) entry among the rows of ``phase``, the entries by count (most first;
+        ties: the lower entry), those rows (a slice when they are contiguous) and their entries."""
+        key = ("static", phase)
+        if key not in self._cache:
+            rows = np.flatnonzero(self.mask(phase))
+            wl = self.wl[rows]
+            if len(wl) > 1 and not bool((wl[1:] >= wl[:-1]).all()):
+                rows = rows[np.argsort(wl, kind="stable")]
+                wl = self.wl[rows]
+            bounds = np.searchsorted(wl, np.arange(len(self.workloads) + 1))
+            res = []
+            for w in range(len(self.workloads)):
+                r = rows[bounds[w]:bounds[w + 1]]
+                ent = (self.lay[r] * self.n_expert + self.expert[r]).astype(np.int32)
+                c = np.bincount(ent, minlength=self.n_entries)
+                if len(r) and int(r[-1]) - int(r[0]) == len(r) - 1:   # increasing and unique: a run
+                    r = slice(int(r[0]), int(r[0]) + len(r))
+                res.append((c, np.argsort(-c, kind="stable"), r, ent))
+            self._cache[key] = res
         return self._cache[key]
 
     def ubatches(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -612,20 +652,53 @@ class SimResult:
         return float(self.summary["hits"].sum() / a) if a else 0.0
 
 
-def _run_units(units: _Units, w: int, fn: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]
+@dataclass(frozen=True)
+class _Part:
+    """One workload's slice of a :class:`_Units`, ready for the core (computed once per units)."""
+
+    e0: int              # its events: e0 .. e1 of the units
+    e1: int
+    start: np.ndarray | None  # int64 [units + 1] from 0 (None: no units)
+    flags: np.ndarray | None  # uint8 [units], the first flagged _RESET
+    ids: np.ndarray      # int32 [events]
+    row0: int            # when its events are the frame rows row0 .. row0 + events in order, else -1
+
+
+def _parts(units: _Units, n_workloads: int) -> list[_Part]:
+    """The per-workload slices of ``units`` (cached on it)."""
+    if units.parts:
+        return units.parts
+    for w in range(n_workloads):
+        u0, u1 = int(units.wl_units[w]), int(units.wl_units[w + 1])
+        e0, e1 = int(units.start[u0]), int(units.start[u1])
+        rows = units.rows[e0:e1]
+        row0 = int(rows[0]) if len(rows) else 0
+        if len(rows) > 1 and not (int(rows[-1]) - row0 == len(rows) - 1 and bool((np.diff(rows) == 1).all())):
+            row0 = -1
+        start = flags = None
+        if u1 > u0:
+            start = np.ascontiguousarray(units.start[u0:u1 + 1] - e0)
+            flags = units.flags[u0:u1].copy()
+            flags[0] |= _RESET
+        units.parts.append(_Part(e0, e1, start, flags, np.ascontiguousarray(units.ids[e0:e1]), row0))
+    return units.parts
+
+
+def _run_units(units: _Units, w: int, n_workloads: int, predicted: np.ndarray,
+               fn: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]
                ) -> tuple[np.ndarray, np.ndarray]:
-    """Run one workload's slice of ``units`` through ``fn(start, flags, ids, out, counters)``."""
-    u0, u1 = int(units.wl_units[w]), int(units.wl_units[w + 1])
-    e0, e1 = int(units.start[u0]), int(units.start[u1])
-    out = np.empty(e1 - e0, dtype=np.int8)
+    """Run one workload's slice of ``units`` through ``fn(start, flags, ids, out, counters)`` and put
+    its results into ``predicted`` (the frame's row order); returns ``(out, counters)``."""
+    part = _parts(units, n_workloads)[w]
+    n = part.e1 - part.e0
+    out = predicted[part.row0:part.row0 + n] if part.row0 >= 0 else np.empty(n, dtype=np.int8)
     counters = np.zeros(2, dtype=np.int64)
-    if u1 > u0:
-        start = np.ascontiguousarray(units.start[u0:u1 + 1] - e0)
-        flags = units.flags[u0:u1].copy()
-        flags[0] |= _RESET
-        rc = fn(start, flags, np.ascontiguousarray(units.ids[e0:e1]), out, counters)
+    if part.start is not None:
+        rc = fn(part.start, part.flags, part.ids, out, counters)
         if rc:
             raise MemoryError(f"replay core failed (code {rc})")
+    if part.row0 < 0:
+        predicted[units.rows[part.e0:part.e1]] = out
     return out, counters
 
 
@@ -658,70 +731,72 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
         raise BudgetError(f"inserts {inserts}; accepted: >= 0 (0 = unlimited)")
     use_c = _use_c(backend)
     lib = _load_core() if use_c else None
+    n_w = len(rp.workloads)
     predicted = np.full(rp.n_rows, -1, dtype=np.int8)
-    uploads = np.zeros(len(rp.workloads), dtype=np.int64)
+    uploads = np.zeros(n_w, dtype=np.int64)
+    hits = np.zeros(n_w, dtype=np.int64)
 
-    if policy == "layer-lru":
-        slots = min(entries // rp.n_layer, rp.n_expert)
-        entries = slots * rp.n_layer
-        units = rp.layer_units(max_batch)
-        stage = staging_slots(slots, rp.n_expert, rp.top_k, inserts, max_batch)
-
-        def fn(start, flags, ids, out, counters):
-            if slots == 0:          # the cache is off: nothing is served
-                out[:] = -1
-                return 0
-            if lib is not None:
-                return lib.pybmoe_sim_layer_lru(len(flags), start, flags, ids, rp.n_expert, slots, inserts, stage,
-                                                out, counters)
-            _layer_lru_py(start, flags, ids, rp.n_expert, slots, inserts, stage, out, counters)
-            return 0
-    elif policy == "static":
-        units = None
-    else:
-        units = rp.global_units(phase)
-        code = _GLOBAL_CODE[policy]
-
-        def fn(start, flags, ids, out, counters):
-            if lib is not None:
-                return lib.pybmoe_sim_global(code, len(flags), start, flags, ids, rp.n_entries, entries, out, counters)
-            _global_py(policy, start, flags, ids, rp.n_entries, entries, out, counters)
-            return 0
-
-    if units is None:                  # static: the counted rows, grouped by workload
-        rows = np.flatnonzero(counted)
-        rows = rows[np.argsort(rp.wl[rows], kind="stable")]
-        bounds = np.searchsorted(rp.wl[rows], np.arange(len(rp.workloads) + 1))
-    for w in range(len(rp.workloads)):
-        if units is not None:
-            out, counters = _run_units(units, w, fn)
-            u0, u1 = int(units.wl_units[w]), int(units.wl_units[w + 1])
-            predicted[units.rows[int(units.start[u0]):int(units.start[u1])]] = out
-            uploads[w] = counters[0]
-        else:
-            r = rows[bounds[w]:bounds[w + 1]]
-            ent = rp.lay[r] * rp.n_expert + rp.expert[r]
-            c = np.bincount(ent, minlength=rp.n_entries)
-            n_pin = min(entries, int((c > 0).sum()))
+    if policy == "static":
+        st = rp.static_counts(phase)
+        for w in range(n_w):
+            c, order, r, ent = st[w]
+            n_pin = min(entries, int(np.count_nonzero(c)))
             is_pinned = np.zeros(rp.n_entries, dtype=bool)
-            is_pinned[np.argsort(-c, kind="stable")[:n_pin]] = True     # ties: the lower entry
+            is_pinned[order[:n_pin]] = True                              # ties: the lower entry
             predicted[r] = is_pinned[ent]
             uploads[w] = n_pin
-        if progress:
-            progress(1)
+            hits[w] = int(c[order[:n_pin]].sum())
+            if progress:
+                progress(1)
+    else:
+        if policy == "layer-lru":
+            slots = min(entries // rp.n_layer, rp.n_expert)
+            entries = slots * rp.n_layer
+            units = rp.layer_units(max_batch)
+            cev = rp.counted_events(max_batch, phase)    # counted, in event order (None: all)
+            stage = staging_slots(slots, rp.n_expert, rp.top_k, inserts, max_batch)
+
+            def fn(start, flags, ids, out, counters):
+                if slots == 0:          # the cache is off: nothing is served
+                    out[:] = -1
+                    return 0
+                if lib is not None:
+                    return lib.pybmoe_sim_layer_lru(len(flags), start, flags, ids, rp.n_expert, slots, inserts,
+                                                    stage, out, counters)
+                _layer_lru_py(start, flags, ids, rp.n_expert, slots, inserts, stage, out, counters)
+                return 0
+        else:
+            units = rp.global_units(phase)  # the counted rows only
+            cev = None
+            code = _GLOBAL_CODE[policy]
+
+            def fn(start, flags, ids, out, counters):
+                if lib is not None:
+                    return lib.pybmoe_sim_global(code, len(flags), start, flags, ids, rp.n_entries, entries, out,
+                                                 counters)
+                _global_py(policy, start, flags, ids, rp.n_entries, entries, out, counters)
+                return 0
+
+        for w in range(n_w):
+            out, counters = _run_units(units, w, n_w, predicted, fn)
+            uploads[w] = counters[0]
+            if cev is None:
+                hits[w] = np.count_nonzero(out == 1)
+            else:
+                part = units.parts[w]
+                hits[w] = np.count_nonzero((out == 1) & cev[part.e0:part.e1])
+            if progress:
+                progress(1)
 
     spl = entries / rp.n_layer
     return SimResult(policy, phase, entries, spl, inserts if policy == "layer-lru" else None, max_batch,
                      predicted, counted, _summary(rp, policy, phase, entries, spl,
                                                   inserts if policy == "layer-lru" else None,
-                                                  predicted, counted, uploads))
+                                                  rp.accesses(phase), hits, uploads))
 
 
 def _summary(rp: Replay, policy: str, phase: str, entries: int, spl: float, inserts: int | None,
-             predicted: np.ndarray, counted: np.ndarray, uploads: np.ndarray) -> pd.DataFrame:
-    n_w = len(rp.workloads)
-    acc = np.bincount(rp.wl[counted], minlength=n_w)
-    hits = np.bincount(rp.wl[counted & (predicted == 1)], minlength=n_w)
+             acc: np.ndarray, hits: np.ndarray, uploads: np.ndarray) -> pd.DataFrame:
     tokens = rp.tokens(phase)
     ov = rp.overlap()
     rows = []
