@@ -176,9 +176,11 @@ ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, 
     ggml_tensor * obs = ggml_view_1d(ctx, l->observed, n_used*n_tokens, 0);
     ggml_build_forward_expand(gf, ggml_cpy(ctx, selected, obs));
 
-    // get_rows gathers per token from a table per token: repeat the one table over the ubatch's tokens
-    ggml_tensor * table = n_tokens == 1 ? l->dev_table : ggml_repeat_4d(ctx, l->dev_table, 1, l->n_expert, n_tokens, 1);
-    ggml_tensor * slot_ids = ggml_get_rows(ctx, table, selected); // [1, n_used, n_tokens]
+    // expert id -> slot id through the one table: a batch's ids are gathered as one row of
+    // n_used*n_tokens ids (CONT and GET_ROWS of I32 run on the device on CUDA and Vulkan; an I32
+    // REPEAT of the table per token would not: CUDA's REPEAT takes F32/F16 only)
+    ggml_tensor * ids = n_tokens == 1 ? selected : ggml_reshape_2d(ctx, ggml_cont(ctx, selected), n_used*n_tokens, 1);
+    ggml_tensor * slot_ids = ggml_get_rows(ctx, l->dev_table, ids); // [1, n_used*n_tokens]
     slot_ids = ggml_reshape_2d(ctx, slot_ids, n_used, n_tokens);
     ggml_format_name(slot_ids, "ffn_moe_cache_slots-%d", l->il);
 

@@ -55,12 +55,13 @@ void llama_moe_cache_free(llama_moe_cache * mc) {
 }
 
 void llama_moe_cache_on_context_free(const llama_model & model) {
-    const llama_moe_cache * mc = model.moe_cache;
+    llama_moe_cache * mc = model.moe_cache;
     if (mc == nullptr) {
         return;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
     if (mc->vram.enabled()) {
+        mc->vram.uploader.wait(); // the copies already queued count in the line, whatever the timing
         mc->vram.print_summary();
     }
     if (mc->stream.on()) {
@@ -128,7 +129,7 @@ void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_
 
     vram.settle();   // uploads started after the previous ubatch become visible now
     vram.publish();  // both copies of the tables change together
-    vram.schedule(); // into free slots, which no table entry points at; copied while the next graph runs
+    vram.schedule(&mc->stream); // into free slots, which no table entry points at; copied while the next graph runs
 }
 
 //

@@ -101,8 +101,10 @@ void llama_moe_residency::evict(int32_t il, int32_t q) {
     l.dirty = true;
 }
 
-void llama_moe_residency::settle() {
-    for (const auto & m : moving) {
+void llama_moe_residency::settle(size_t n_done) {
+    n_done = std::min(n_done, moving.size());
+    for (size_t i = 0; i < n_done; ++i) {
+        const llama_moe_move & m = moving[i];
         auto & l = layers.at(m.layer);
         LLAMA_MOE_RES_ASSERT(l.slot_state[m.slot] == LLAMA_MOE_SLOT_MOVING && l.slot_expert[m.slot] == m.expert);
         if (l.n_resident == l.n_slots) {
@@ -121,7 +123,7 @@ void llama_moe_residency::settle() {
         l.n_resident++;
         l.dirty = true;
     }
-    moving.clear();
+    moving.erase(moving.begin(), moving.begin() + (ptrdiff_t) n_done);
 }
 
 void llama_moe_residency::schedule() {
@@ -138,6 +140,9 @@ void llama_moe_residency::schedule() {
             }
             if (l.is_resident(e)) {
                 continue; // became resident at this settle (an earlier miss of the same expert)
+            }
+            if (std::find(l.slot_expert.begin(), l.slot_expert.end(), e) != l.slot_expert.end()) {
+                continue; // still moving from an earlier step (the default mode does not wait for it)
             }
             // moves go to free slots only: residents keep serving while they are written
             while (p < l.n_phys && l.slot_state[p] != LLAMA_MOE_SLOT_FREE) {

@@ -20,6 +20,7 @@
 // the same rules ("layer-lru"); tests/routing/test_residency.py holds the two equal, event for
 // event, on the bundled granite trace.
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -87,13 +88,17 @@ struct llama_moe_residency {
     // after every layer of a ubatch: a step passed when any layer was served
     void end_ubatch(bool any_served);
 
-    // the moves scheduled after the previous ubatch are done: each becomes resident (evicting the
+    // the first n_done moves (all of them by default) are done: each becomes resident (evicting the
     // least recently used resident the last step did not look up when the layer is full) or, when
-    // every resident was looked up, is dropped. Clears `moving`.
-    void settle();
+    // every resident was looked up, is dropped. They leave `moving`; the rest stay, still moving.
+    // The deterministic mode settles every move after the step that follows its schedule; the
+    // default mode settles only the moves whose bytes have arrived (a prefix: one worker copies
+    // them in order), so decode never waits for them.
+    void settle(size_t n_done = SIZE_MAX);
 
     // the misses of the last served step become moves into free slots, at most the insert cap per
-    // layer and never more than the free slots; appends to `moving`
+    // layer and never more than the free slots; an expert already moving is not moved twice;
+    // appends to `moving`
     void schedule();
 
     // sets the residents per layer to min(n_slots, n_cap); a shrink evicts the least recently used

@@ -29,6 +29,9 @@ llama_moe_uploader::~llama_moe_uploader() {
             fclose(f);
         }
     }
+    if (pinned) {
+        ggml_backend_buffer_free(pinned);
+    }
 }
 
 bool llama_moe_uploader::start(const std::vector<std::string> & paths_in, std::string & err) {
@@ -45,12 +48,15 @@ bool llama_moe_uploader::start(const std::vector<std::string> & paths_in, std::s
     return true;
 }
 
-void llama_moe_uploader::enqueue(const llama_moe_copy & c) {
+uint64_t llama_moe_uploader::enqueue(const llama_moe_copy & c) {
+    uint64_t ticket;
     {
         std::lock_guard<std::mutex> lock(q_mutex);
         queue.push_back(c);
+        ticket = ++n_enqueued;
     }
     q_cv.notify_one();
+    return ticket;
 }
 
 void llama_moe_uploader::wait() {
@@ -83,23 +89,53 @@ void llama_moe_uploader::worker_main() {
             queue.pop_front();
             q_busy++;
         }
+        const int64_t t0 = ggml_time_us();
         copy(c);
+        busy_us += (uint64_t) (ggml_time_us() - t0);
+        for (int32_t e : c.pins) {
+            on_done(e);
+        }
         {
             std::lock_guard<std::mutex> lock(q_mutex);
             q_busy--;
+            n_done++;
         }
         q_done_cv.notify_all();
     }
 }
 
 void llama_moe_uploader::copy(const llama_moe_copy & c) {
-    staging.resize(c.nbytes);
+    n_h2d++;
+    if (c.mem != nullptr) {
+        mem_bytes += c.nbytes;
+        ggml_backend_tensor_set(c.dst, c.mem, c.dst_offs, c.nbytes);
+        return;
+    }
+    // a file read: into pinned staging where the destination's device has a host buffer type
+    uint8_t * buf = nullptr;
+    ggml_backend_dev_t dev = c.dst->buffer ? ggml_backend_buft_get_device(ggml_backend_buffer_get_type(c.dst->buffer)) : nullptr;
+    ggml_backend_buffer_type_t hbuft = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    if (hbuft != nullptr) {
+        if (pinned == nullptr || pinned_buft != hbuft || ggml_backend_buffer_get_size(pinned) < c.nbytes) {
+            if (pinned) {
+                ggml_backend_buffer_free(pinned);
+            }
+            pinned      = ggml_backend_buft_alloc_buffer(hbuft, c.nbytes);
+            pinned_buft = hbuft;
+        }
+        buf = pinned ? (uint8_t *) ggml_backend_buffer_get_base(pinned) : nullptr;
+    }
+    if (buf == nullptr) {
+        staging.resize(c.nbytes);
+        buf = staging.data();
+    }
     FILE * f = files[c.file];
-    if (llama_moe_fseek(f, (long long) c.offs, SEEK_SET) != 0 || fread(staging.data(), 1, c.nbytes, f) != c.nbytes) {
+    if (llama_moe_fseek(f, (long long) c.offs, SEEK_SET) != 0 || fread(buf, 1, c.nbytes, f) != c.nbytes) {
         // note: the slot stays zero, so the output would be wrong; this is unrecoverable
         GGML_ABORT("moe-cache: cannot read %zu bytes at offset %zu of %s", c.nbytes, c.offs, paths[c.file].c_str());
     }
-    ggml_backend_tensor_set(c.dst, staging.data(), c.dst_offs, c.nbytes);
+    file_bytes += c.nbytes;
+    ggml_backend_tensor_set(c.dst, buf, c.dst_offs, c.nbytes);
 }
 
 //

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -42,29 +43,50 @@ struct llama_moe_sources {
     }
 };
 
-// one slice to move: nbytes at offs of file `file` into dst at dst_offs
+// one slice to move into dst at dst_offs: from memory when `mem` is set (a host tensor that holds the
+// GGUF layout: the memory map, a CPU buffer, a pinned host buffer, or the stream tier's RAM copy),
+// else nbytes at offs of file `file`
 struct llama_moe_copy {
     uint16_t      file;
     size_t        offs;
     size_t        nbytes;
     ggml_tensor * dst;
     size_t        dst_offs;
+    const void *  mem = nullptr;
+    std::vector<int32_t> pins; // handed to on_done once the copy is done (the stream tier's entries read)
 };
 
-// a worker thread that reads slices from the source files and writes them into tensors
-// (ggml_backend_tensor_set: a device tensor's slice, while other graphs may run)
+// A worker thread that writes slices into tensors (ggml_backend_tensor_set: a device tensor's slice,
+// while other graphs may run), in the order they were enqueued. A slice read from a file goes
+// through a staging buffer of the destination device's host buffer type (pinned memory on CUDA),
+// or a plain one where the device has none (RPC).
 struct llama_moe_uploader {
     ~llama_moe_uploader();
 
     // opens every source file and starts the worker; false (and err set) when a file cannot be opened
     bool start(const std::vector<std::string> & paths, std::string & err);
 
-    void enqueue(const llama_moe_copy & c);
+    // queues a copy; returns its ticket (1, 2, ...): the copy is done once done() >= the ticket
+    uint64_t enqueue(const llama_moe_copy & c);
+
+    // copies finished so far (they finish in ticket order)
+    uint64_t done() const {
+        return n_done.load();
+    }
 
     // blocks until every enqueued copy is done
     void wait();
 
     void stop();
+
+    // called on the worker for each of a copy's pins once it is done (set before the first enqueue)
+    std::function<void(int32_t)> on_done;
+
+    // counters (bytes and calls since start)
+    std::atomic<uint64_t> file_bytes { 0 }; // read from the GGUF file(s)
+    std::atomic<uint64_t> mem_bytes  { 0 }; // copied from memory (no file read)
+    std::atomic<uint64_t> n_h2d      { 0 }; // ggml_backend_tensor_set calls
+    std::atomic<uint64_t> busy_us    { 0 }; // time spent copying
 
 private:
     void worker_main();
@@ -73,12 +95,16 @@ private:
     std::vector<std::string> paths;
     std::vector<FILE *>      files;
     std::vector<uint8_t>     staging;
+    ggml_backend_buffer_t    pinned = nullptr; // staging in the destination's host buffer type
+    ggml_backend_buffer_type_t pinned_buft = nullptr;
 
     std::thread             worker;
     std::mutex              q_mutex;
     std::condition_variable q_cv;
     std::condition_variable q_done_cv;
     std::deque<llama_moe_copy> queue;
+    std::atomic<uint64_t>   n_done { 0 };
+    uint64_t n_enqueued = 0;
     int32_t q_busy = 0;
     bool    q_stop = false;
 };

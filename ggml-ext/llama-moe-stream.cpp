@@ -71,6 +71,48 @@ ggml_tensor * llama_moe_stream::graph_ids(const llama_moe_cache * owner, ggml_co
     return out;
 }
 
+int32_t llama_moe_stream::pin(int32_t il, int32_t e, const void * mem[LLAMA_MOE_N_PROJ]) {
+    if (il < 0 || il >= (int) layer_of_il.size() || layer_of_il[il] < 0) {
+        return -1;
+    }
+    const auto & l = layers[layer_of_il[il]];
+    const int32_t entry = l.li * lru.n_expert + e;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!lru.resident[entry]) {
+        return -1;
+    }
+    if (pins.empty()) {
+        pins.assign(lru.resident.size(), 0);
+    }
+    pins[entry]++;
+    for (int p = 0; p < l.n_proj; ++p) {
+        mem[p] = (const uint8_t *) l.region[p] + (size_t) e * l.expert_nbytes[p];
+    }
+    return entry;
+}
+
+void llama_moe_stream::unpin(int32_t entry) {
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        pins[entry]--;
+    }
+    pin_cv.notify_all();
+}
+
+void llama_moe_stream::wait_unpinned(std::unique_lock<std::mutex> & lock, const std::vector<int32_t> & entries) {
+    if (pins.empty()) {
+        return;
+    }
+    pin_cv.wait(lock, [&] {
+        for (int32_t e : entries) {
+            if (pins[e] > 0) {
+                return false;
+            }
+        }
+        return true;
+    });
+}
+
 void llama_moe_stream::release(const std::vector<int32_t> & entries) {
 #if !defined(_WIN32)
     static const size_t page = (size_t) sysconf(_SC_PAGESIZE);
@@ -120,7 +162,7 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     std::vector<int8_t>  hit;
     std::vector<int32_t> admitted, evicted;
     {
-        std::lock_guard<std::mutex> lock(mutex);
+        std::unique_lock<std::mutex> lock(mutex);
         lru.step(li, want.data(), (int64_t) want.size(), hit, admitted, evicted);
         l.hits_now.assign(n_used * n_rows, -1);
         for (size_t i = 0; i < want.size(); ++i) {
@@ -128,6 +170,7 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
             l.hits   += hit[i] == 1;
             l.misses += hit[i] == 0;
         }
+        wait_unpinned(lock, evicted); // an upload may still read one of them
     }
     release(evicted); // before the admitted entries' bytes arrive: a shared page is never dropped after
 
@@ -248,9 +291,10 @@ int32_t llama_model_moe_stream_set_budget_mib(llama_model * model, int32_t budge
     const int64_t want = std::min<int64_t>((int64_t) budget_mib << 20, st.total_bytes);
     std::vector<int32_t> evicted;
     {
-        std::lock_guard<std::mutex> lock_st(st.mutex);
+        std::unique_lock<std::mutex> lock_st(st.mutex);
         st.budget_bytes = want;
         st.lru.resize(want / (int64_t) st.entry_bytes, evicted);
+        st.wait_unpinned(lock_st, evicted); // an upload started after the last generation may still read one
     }
     st.release(evicted);
     LLAMA_LOG("%s: moe-stream: budget %lld MiB now (%lld experts resident, %zu evicted)\n", __func__,

@@ -18,6 +18,7 @@
 #include "llama-moe-vram.h"
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -78,6 +79,20 @@ struct llama_moe_stream {
     long     majflt_at_start = 0;
 
     std::string error; // the first read error (the op aborts with it)
+
+    // The VRAM tier's uploads of entries resident here read this tier's RAM copy instead of the
+    // file. An entry is pinned from the upload's schedule (no graph in flight) until the uploader
+    // has read it; a step that evicts a pinned entry waits for it before dropping its pages, so the
+    // policy, and the bytes, are exactly those of a run without the VRAM tier's reads.
+    std::vector<int32_t>    pins; // [n_layer * n_expert] uploads reading the entry (under `mutex`)
+    std::condition_variable pin_cv;
+
+    // when expert e of model layer il is resident here: pins it, sets mem[p] to its bytes per
+    // projection and returns its entry; else -1 (read it from the file)
+    int32_t pin(int32_t il, int32_t e, const void * mem[LLAMA_MOE_N_PROJ]);
+    void    unpin(int32_t entry);
+    // waits (the lock holds `mutex`) until no upload reads any of `entries`
+    void    wait_unpinned(std::unique_lock<std::mutex> & lock, const std::vector<int32_t> & entries);
 
     bool on() const {
         return !layers.empty();

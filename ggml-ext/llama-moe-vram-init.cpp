@@ -222,12 +222,18 @@ static bool llama_moe_vram_alloc(llama_model & model, llama_moe_cache & mc, ggml
     const int32_t n_expert = (int32_t) model.hparams.n_expert;
     const int32_t n_used   = (int32_t) model.hparams.n_expert_used();
     ggml_init_params params = {
-        /*.mem_size   =*/ ils.size() * (LLAMA_MOE_N_PROJ + LLAMA_MOE_N_BIAS + 1) * ggml_tensor_overhead(),
+        /*.mem_size   =*/ (ils.size() * (LLAMA_MOE_N_PROJ + LLAMA_MOE_N_BIAS + 1) + 1) * ggml_tensor_overhead(),
         /*.mem_buffer =*/ nullptr,
         /*.no_alloc   =*/ true,
     };
     ggml_context_ptr ctx { ggml_init(params) };
-    for (int il : ils) {
+    // one id->slot table for all the device's layers: one copy publishes a step's changes
+    llama_moe_vram::device_table tb;
+    tb.t = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I32, (int64_t) n_expert * (int64_t) ils.size());
+    ggml_format_name(tb.t, "ffn_exps.cache_tables");
+    tb.host.assign((size_t) ggml_nelements(tb.t), 0);
+    const int32_t itb = (int32_t) vram.tables.size();
+    for (const int & il : ils) { // by reference: its index in ils places its table
         const auto & layer = model.layers[il];
         llama_moe_cache_layer l;
         l.il = il; l.n_expert = n_expert; l.n_used = n_used; l.n_phys = dev_slots + n_stage; l.log = &mc.log;
@@ -251,7 +257,9 @@ static bool llama_moe_vram_alloc(llama_model & model, llama_moe_cache & mc, ggml
             l.bias_dev[b] = ggml_dup_tensor(ctx.get(), l.bias_host[b]);
             ggml_format_name(l.bias_dev[b], "%s.cache_copy", ggml_get_name(l.bias_host[b])); // not ".cache": written once, SYCL may reorder it
         }
-        l.dev_table = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_expert);
+        l.tb      = itb;
+        l.tb_offs = (size_t) n_expert * (size_t) (&il - ils.data());
+        l.dev_table = ggml_view_2d(ctx.get(), tb.t, 1, n_expert, sizeof(int32_t), l.tb_offs * sizeof(int32_t));
         ggml_format_name(l.dev_table, "blk.%d.ffn_exps.cache_table", il);
         vram.layer_of_il[il] = (int32_t) vram.layers.size();
         vram.layers.push_back(std::move(l));
@@ -264,6 +272,7 @@ static bool llama_moe_vram_alloc(llama_model & model, llama_moe_cache & mc, ggml
     }
     ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     ggml_backend_buffer_clear(buf, 0); // every slot, including the dummy slot, computes exact zeros
+    vram.tables.push_back(std::move(tb));
     std::vector<uint8_t> bias_bytes;   // the bias copies: the model's values, once
     for (size_t li = vram.layers.size() - ils.size(); li < vram.layers.size(); ++li) {
         const auto & l = vram.layers[li];
@@ -486,6 +495,9 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     llama_moe_vram_alloc_host(*mc);
 
     std::string err;
+    // uploads of experts the stream tier holds in RAM read its copy, pinned until they are done
+    llama_moe_cache * owner = mc;
+    vram.uploader.on_done = [owner](int32_t entry) { owner->stream.unpin(entry); };
     if (!vram.uploader.start(mc->sources.paths, err)) {
         LLAMA_LOG_ERROR("%s: moe-cache: cannot open %s to read expert bytes; the cache is OFF\n", __func__, err.c_str());
         vram.disable();

@@ -13,6 +13,7 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 int llama_moe_proj_list(const ggml_tensor * up, const ggml_tensor * gate, const ggml_tensor * down,
@@ -70,6 +71,8 @@ const llama_moe_cache_layer * llama_moe_vram::layer(int il) const {
 void llama_moe_vram::disable() {
     uploader.stop();
     layers.clear();
+    tables.clear();
+    tickets.clear();
     res = {};
     n_slots = 0;
 }
@@ -98,13 +101,28 @@ void llama_moe_vram::account() {
     res.end_ubatch(any);
 }
 
-void llama_moe_vram::settle() {
-    uploader.wait();
-    for (const auto & m : res.moving) {
-        uploads++;
-        upload_bytes += layers[m.layer].expert_bytes();
+void llama_moe_vram::settle(bool all) {
+    size_t n = 0;
+    if (sync || all) {
+        if (uploader.done() < (tickets.empty() ? 0 : tickets.back())) {
+            const int64_t t0 = ggml_time_us();
+            uploader.wait();
+            upload_wait_us += (uint64_t) (ggml_time_us() - t0);
+            n_waits++;
+        }
+        n = res.moving.size();
+    } else {
+        const uint64_t done = uploader.done();
+        while (n < tickets.size() && tickets[n] <= done) {
+            n++; // one worker copies in ticket order: the done moves are a prefix
+        }
     }
-    res.settle();
+    for (size_t i = 0; i < n; ++i) {
+        uploads++;
+        upload_bytes += layers[res.moving[i].layer].expert_bytes();
+    }
+    res.settle(n);
+    tickets.erase(tickets.begin(), tickets.begin() + (ptrdiff_t) n);
 }
 
 void llama_moe_vram::publish() {
@@ -114,22 +132,94 @@ void llama_moe_vram::publish() {
             continue;
         }
         memcpy(l.host_table->data, r.table.data(), r.table.size()*sizeof(int32_t));
-        ggml_backend_tensor_set(l.dev_table, r.table.data(), 0, r.table.size()*sizeof(int32_t));
+        auto & tb = tables[l.tb];
+        std::copy(r.table.begin(), r.table.end(), tb.host.begin() + (ptrdiff_t) l.tb_offs);
+        tb.dirty = true;
         r.dirty = false;
+    }
+    for (auto & tb : tables) {
+        if (tb.dirty) {
+            ggml_backend_tensor_set(tb.t, tb.host.data(), 0, tb.host.size()*sizeof(int32_t));
+            n_h2d_tables++;
+            tb.dirty = false;
+        }
     }
 }
 
-void llama_moe_vram::schedule() {
+void llama_moe_vram::schedule(llama_moe_stream * stream) {
     const size_t first = res.moving.size();
     res.schedule();
-    for (size_t i = first; i < res.moving.size(); ++i) {
-        const llama_moe_move & m = res.moving[i];
-        const llama_moe_cache_layer & l = layers[m.layer];
-        for (int p = 0; p < l.n_proj; ++p) {
-            const size_t n = l.expert_nbytes[p];
-            uploader.enqueue({ l.src[p].file, l.src[p].offs + (size_t) m.expert * n, n, l.slots[p],
-                               (size_t) m.slot * l.slots[p]->nb[2] });
+    // the new moves, layer by layer (res.schedule appends them so); a layer's copies go projection by
+    // projection, and each move is done once its layer's last copy is
+    std::vector<llama_moe_copy> run;
+    size_t i = first;
+    while (i < res.moving.size()) {
+        size_t j = i;
+        while (j < res.moving.size() && res.moving[j].layer == res.moving[i].layer) {
+            j++;
         }
+        const llama_moe_cache_layer & l = layers[res.moving[i].layer];
+        // where each move's bytes come from: the stream tier's RAM copy, the host tensor, or the file
+        std::vector<std::array<const void *, LLAMA_MOE_N_PROJ>> mem(j - i);
+        std::vector<int32_t> pin(j - i, -1);
+        for (size_t m = i; m < j; ++m) {
+            const llama_moe_move & mv = res.moving[m];
+            auto & src = mem[m - i];
+            src.fill(nullptr);
+            const void * ram[LLAMA_MOE_N_PROJ] = {};
+            const int32_t entry = stream && stream->on() ? stream->pin(l.il, mv.expert, ram) : -1;
+            const bool streamed = stream && stream->on() && stream->layer_of_il.size() > (size_t) l.il && stream->layer_of_il[l.il] >= 0;
+            for (int p = 0; p < l.n_proj; ++p) {
+                if (entry >= 0) {
+                    src[p] = ram[p];
+                } else if (!streamed && l.exps[p]->buffer && ggml_backend_buffer_is_host(l.exps[p]->buffer) && l.exps[p]->data) {
+                    src[p] = (const uint8_t *) l.exps[p]->data + (size_t) mv.expert * l.expert_nbytes[p];
+                }
+            }
+            pin[m - i] = entry;
+        }
+        uint64_t ticket = 0;
+        for (int p = 0; p < l.n_proj; ++p) {
+            const size_t n  = l.expert_nbytes[p];
+            const size_t nb = l.slots[p]->nb[2];
+            llama_moe_copy cur = {};
+            bool open = false;
+            std::vector<int32_t> cur_pins;
+            auto flush = [&]() {
+                if (!open) {
+                    return;
+                }
+                // the pins go with the last projection's copies: the copies run in order
+                cur.pins = p == l.n_proj - 1 ? cur_pins : std::vector<int32_t>();
+                ticket = uploader.enqueue(cur);
+                open = false;
+                cur_pins.clear();
+            };
+            for (size_t m = i; m < j; ++m) {
+                const llama_moe_move & mv = res.moving[m];
+                const void * msrc = mem[m - i][p];
+                const size_t offs = l.src[p].offs + (size_t) mv.expert * n;
+                const size_t doff = (size_t) mv.slot * nb;
+                const bool adjacent = open && nb == n && cur.dst_offs + cur.nbytes == doff &&
+                    (msrc ? cur.mem && (const uint8_t *) cur.mem + cur.nbytes == msrc
+                          : !cur.mem && cur.offs + cur.nbytes == offs);
+                if (adjacent) {
+                    cur.nbytes += n;
+                } else {
+                    flush();
+                    cur = { l.src[p].file, offs, n, l.slots[p], doff, msrc, {} };
+                    open = true;
+                }
+                if (pin[m - i] >= 0) {
+                    cur_pins.push_back(pin[m - i]);
+                }
+            }
+            flush();
+        }
+        for (size_t m = i; m < j; ++m) {
+            tickets.push_back(ticket);
+        }
+        i = j;
     }
 }
 
@@ -154,6 +244,13 @@ void llama_moe_vram::get_stats(llama_moe_cache_stats & out) const {
     out.n_inserts     = res.n_inserts;
     out.n_expert      = layers[0].n_expert;
     out.n_expert_used = layers[0].n_used;
+    out.sync              = sync ? 1 : 0;
+    out.upload_wait_us    = upload_wait_us;
+    out.n_h2d             = uploader.n_h2d.load() + n_h2d_tables;
+    out.n_waits           = n_waits;
+    out.upload_file_bytes = uploader.file_bytes.load();
+    out.upload_busy_us    = uploader.busy_us.load();
+    out.n_publish         = n_h2d_tables;
 }
 
 void llama_moe_vram::print_summary() const {
@@ -170,11 +267,16 @@ void llama_moe_vram::print_summary() const {
         token_demand += d;
     }
     // note: level NONE, so the line shows at the default verbosity, like the tools' own output
+    // upload wait: time steps spent waiting for uploads; h2d: host-to-device calls; waits: blocking
+    // waits; upload GB/s: the uploader's own rate while copying
     LLAMA_LOG("moe-cache: %.1f%% hit, resident %.1f MiB, uploads %llu (%.1f MiB), layer_demand %.2f MiB, "
-            "token_demand %.2f MiB, steps %llu\n",
+            "token_demand %.2f MiB, steps %llu, upload wait %.1f ms, h2d %llu (%llu publishes), waits %llu, "
+            "upload %.2f GB/s, file %.1f MiB, %s\n",
             n ? 100.0*st.hits/n : 0.0, st.resident_bytes/1024.0/1024.0,
             (unsigned long long) st.uploads, st.upload_bytes/1024.0/1024.0, layer_demand, token_demand,
-            (unsigned long long) st.n_steps);
+            (unsigned long long) st.n_steps, st.upload_wait_us/1000.0, (unsigned long long) st.n_h2d,
+            (unsigned long long) st.n_publish, (unsigned long long) st.n_waits, st.upload_busy_us ? st.upload_bytes/1e3/st.upload_busy_us : 0.0,
+            st.upload_file_bytes/1024.0/1024.0, sync ? "sync" : "async");
 }
 
 //
@@ -248,9 +350,24 @@ int32_t llama_model_moe_cache_set_slots(llama_model * model, int32_t n_slots) {
                 __func__, n_slots, cap);
         return -1;
     }
-    vram.settle(); // no slot is being written while the tables change
+    vram.settle(/*all =*/ true); // no slot is being written while the tables change
     vram.res.resize(n_slots);
     vram.publish();
     LLAMA_LOG("%s: moe-cache: %d slots/layer now\n", __func__, n_slots);
     return n_slots;
+}
+
+int32_t llama_model_moe_cache_set_sync(llama_model * model, bool sync) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || !mc->vram.enabled()) {
+        LLAMA_LOG_ERROR("%s: moe-cache: the cache is off\n", __func__);
+        return -1;
+    }
+    if (mc->n_busy.load() > 0) {
+        LLAMA_LOG_ERROR("%s: moe-cache: a graph is being computed; change the mode between generations\n", __func__);
+        return -2;
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    mc->vram.sync = sync;
+    return 0;
 }

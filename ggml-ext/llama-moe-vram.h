@@ -21,6 +21,7 @@ struct ggml_tensor;
 struct llama_layer;
 struct llama_moe_cache_stats;
 struct llama_moe_log;
+struct llama_moe_stream;
 
 constexpr int LLAMA_MOE_N_PROJ = 3; // the most expert tensors a layer has: up, gate, down (or gate_up, down)
 constexpr int LLAMA_MOE_N_BIAS = 4; // the most expert biases a layer has: up, gate, gate_up, down
@@ -60,7 +61,9 @@ struct llama_moe_cache_layer {
     int n_bias = 0;                                       // llama_moe_bias_list
     const ggml_tensor * bias_host[LLAMA_MOE_N_BIAS] = {}; // the model's expert biases
     ggml_tensor       * bias_dev [LLAMA_MOE_N_BIAS] = {}; // their copies next to the slots
-    ggml_tensor * dev_table  = nullptr;                   // I32 [1, n_expert]
+    ggml_tensor * dev_table  = nullptr;                   // I32 [1, n_expert], a view of its device's table
+    int32_t       tb         = -1;                        // index into llama_moe_vram::tables
+    size_t        tb_offs    = 0;                         // its first element in that table
     ggml_tensor * host_table = nullptr;                   // I32 [n_expert]
     ggml_tensor * observed   = nullptr;                   // I32 [n_used * max_batch], -1 = not written
 
@@ -88,8 +91,23 @@ struct llama_moe_vram {
     };
     std::vector<device_use> devices;
 
-    uint64_t uploads      = 0;
-    uint64_t upload_bytes = 0;
+    // one id->slot table per device for all its layers, published with one copy per step
+    struct device_table {
+        ggml_tensor *        t = nullptr; // I32 [n_expert * layers on the device]
+        std::vector<int32_t> host;        // what the device holds once published
+        bool                 dirty = true;
+    };
+    std::vector<device_table> tables;
+
+    bool sync = false; // deterministic visibility (llama_model_moe_cache_set_sync)
+
+    uint64_t uploads        = 0;
+    uint64_t upload_bytes   = 0;
+    uint64_t upload_wait_us = 0;
+    uint64_t n_waits        = 0;
+    uint64_t n_h2d_tables   = 0; // table publishes (the uploader counts its own calls)
+
+    std::vector<uint64_t> tickets; // per res.moving entry: done once uploader.done() reaches it
 
     llama_moe_uploader uploader;
 
@@ -106,14 +124,19 @@ struct llama_moe_vram {
     // after a ubatch's graph, with no graph in flight: account its routing (the observed tensors)
     void account();
 
-    // the uploads started after the previous ubatch are done: they become resident
-    void settle();
+    // uploads that are done become resident: in sync mode every upload started after the previous
+    // ubatch (waiting for them), else only those whose bytes have arrived; `all` waits for every one
+    // (a resize)
+    void settle(bool all = false);
 
     // the host and device tables follow the residency (both copies change together)
     void publish();
 
-    // this step's misses: uploads into free slots, copied while the next graph runs
-    void schedule();
+    // this step's misses: uploads into free slots, copied while the next graph runs, from the best
+    // source: the stream tier's RAM copy (`stream`, when on and the expert is resident there), the
+    // host tensor's memory when it holds the GGUF layout (mmap, a CPU or pinned host buffer), else
+    // the file; runs of adjacent experts into adjacent slots are one copy
+    void schedule(llama_moe_stream * stream);
 
     void get_stats(llama_moe_cache_stats & out) const;
 

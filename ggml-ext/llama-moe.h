@@ -30,6 +30,13 @@ struct llama_moe_cache_stats {
     int32_t  n_inserts;       // upload cap per layer per step (0 = unlimited)
     int32_t  n_expert;        // experts per layer
     int32_t  n_expert_used;   // top-k
+    int32_t  sync;            // 1: deterministic visibility (--moe-expert-cache-sync), 0: uploads never hold decode back
+    uint64_t upload_wait_us;  // time steps waited for uploads (sync mode, a resize)
+    uint64_t n_h2d;           // host-to-device calls the cache issued: uploads (merged runs) and table publishes
+    uint64_t n_waits;         // blocking waits for uploads
+    uint64_t upload_file_bytes; // of upload_bytes, read from the GGUF file; the rest came from memory
+    uint64_t upload_busy_us;  // time the uploader spent copying (its GB/s: upload_bytes / this)
+    uint64_t n_publish;       // of n_h2d, table publishes (one per device per step that changed a table)
 };
 
 // one device that holds slots (a buffer type: CUDA0, RPC0[host:port], ...)
@@ -93,6 +100,13 @@ LLAMA_API int32_t llama_model_moe_cache_init_auto(struct llama_model * model, in
 // output is unchanged either way (the split is exact). Returns the new slot count, -1 for a bad
 // value or no cache, -2 while a graph is being computed.
 LLAMA_API int32_t llama_model_moe_cache_set_slots(struct llama_model * model, int32_t n_slots);
+
+// Upload visibility. sync = false (the default): an upload becomes visible at the first step after
+// its bytes have arrived, and no step waits for one. sync = true (--moe-expert-cache-sync): a miss at
+// step s is resident from step s+2, each step waiting for the uploads of the one before, so hits
+// and misses are a deterministic function of the routing (pybmoe simulate --policy layer-lru
+// replays them exactly). Returns 0, -1 when the cache is off, -2 while a graph is being computed.
+LLAMA_API int32_t llama_model_moe_cache_set_sync(struct llama_model * model, bool sync);
 
 // Totals over all cached layers. Returns false when the model has no cache.
 LLAMA_API bool llama_model_moe_cache_get_stats(const struct llama_model * model, struct llama_moe_cache_stats * out);

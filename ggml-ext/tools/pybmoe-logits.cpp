@@ -72,6 +72,8 @@ int main(int argc, char ** argv) {
         PYBMOE_OFF(hits); PYBMOE_OFF(misses); PYBMOE_OFF(uploads); PYBMOE_OFF(upload_bytes);
         PYBMOE_OFF(resident_bytes); PYBMOE_OFF(alloc_bytes); PYBMOE_OFF(n_steps); PYBMOE_OFF(n_layers);
         PYBMOE_OFF(n_slots); PYBMOE_OFF(n_inserts); PYBMOE_OFF(n_expert); PYBMOE_OFF(n_expert_used);
+        PYBMOE_OFF(sync); PYBMOE_OFF(upload_wait_us); PYBMOE_OFF(n_h2d); PYBMOE_OFF(n_waits);
+        PYBMOE_OFF(upload_file_bytes); PYBMOE_OFF(upload_busy_us); PYBMOE_OFF(n_publish);
 #undef PYBMOE_OFF
         printf("\n");
         return 0;

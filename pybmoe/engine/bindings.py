@@ -45,6 +45,13 @@ class MoeCacheStatsC(ctypes.Structure):
         ("n_inserts", ctypes.c_int32),
         ("n_expert", ctypes.c_int32),
         ("n_expert_used", ctypes.c_int32),
+        ("sync", ctypes.c_int32),
+        ("upload_wait_us", ctypes.c_uint64),
+        ("n_h2d", ctypes.c_uint64),
+        ("n_waits", ctypes.c_uint64),
+        ("upload_file_bytes", ctypes.c_uint64),
+        ("upload_busy_us", ctypes.c_uint64),
+        ("n_publish", ctypes.c_uint64),
     ]
 
 
@@ -110,7 +117,12 @@ class MoeCacheStats:
     hits / misses: expert lookups served by a slot / computed from host memory; uploads: experts
     copied into slots; upload_mib, resident_mib, allocated_mib: MiB; steps: graphs the cache served;
     n_slots: slots per layer now (set_moe_cache_slots changes it; allocated_mib stays); n_layers:
-    cached layers.
+    cached layers. sync: deterministic upload visibility (``moe_expert_cache_sync``);
+    upload_wait_s: seconds steps waited for uploads; h2d: host-to-device calls the cache issued
+    (merged upload runs + table publishes); waits: blocking waits; upload_file_mib: MiB of the
+    uploads read from the GGUF (the rest came from memory: the map, a host buffer or the stream
+    tier); upload_busy_s: seconds the uploader spent copying; publishes: of h2d, table publishes
+    (one per device per step that changed a table).
     """
 
     hits: int
@@ -125,6 +137,13 @@ class MoeCacheStats:
     n_inserts: int
     n_expert: int
     n_expert_used: int
+    sync: bool = False
+    upload_wait_s: float = 0.0
+    h2d: int = 0
+    waits: int = 0
+    upload_file_mib: float = 0.0
+    upload_busy_s: float = 0.0
+    publishes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -148,6 +167,8 @@ def _llama_lib() -> ctypes.CDLL:
         lib.llama_model_moe_cache_init_budget.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 4
         lib.llama_model_moe_cache_init_budget.restype = ctypes.c_int32
         lib.llama_model_moe_cache_set_slots.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.llama_model_moe_cache_set_sync.argtypes = [ctypes.c_void_p, ctypes.c_bool]
+        lib.llama_model_moe_cache_set_sync.restype = ctypes.c_int32
         lib.llama_model_moe_cache_set_slots.restype = ctypes.c_int32
         lib.llama_model_moe_cache_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeCacheStatsC)]
         lib.llama_model_moe_cache_get_stats.restype = ctypes.c_bool
@@ -342,6 +363,10 @@ class Llama(llama_cpp.Llama):
             memory minus the floor (MiB), else ValueError. Unlike ``llama-server``, ``auto`` here
             does not measure the context's KV and compute memory first: keep the floor above it.
         moe_expert_cache_inserts: uploads per layer per decode step (0 = unlimited).
+        moe_expert_cache_sync: deterministic upload visibility (``--moe-expert-cache-sync``): a miss
+            at decode step s is resident from step s+2, each step waiting for the uploads of the one
+            before. Off (the default), an upload is used from the first step after its bytes
+            arrive and no step waits for one; the output is bit-identical either way.
         cpu_moe: keep every MoE expert tensor in host memory (``--cpu-moe``).
         n_cpu_moe: keep the experts of the first N layers in host memory (``--n-cpu-moe``).
         override_tensor: ``"pattern=BUFT,..."`` or a list of ``(pattern, buft name)`` (``-ot``).
@@ -365,7 +390,7 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str | os.PathLike, *, moe_expert_cache: int | str = 0,
-                 moe_expert_cache_inserts: int = 0,
+                 moe_expert_cache_inserts: int = 0, moe_expert_cache_sync: bool = False,
                  moe_expert_cache_floor_mb: int = 1024, moe_expert_cache_ceil_mb: int = 0,
                  cpu_moe: bool = False, n_cpu_moe: int = 0,
                  override_tensor: str | Sequence[tuple[str, str]] | None = None,
@@ -375,6 +400,8 @@ class Llama(llama_cpp.Llama):
         self._stack = contextlib.ExitStack()  # llama_cpp's __del__ needs it even when we raise first
         slots = _check_count("moe_expert_cache", moe_expert_cache, allow_auto=True)
         inserts = _check_count("moe_expert_cache_inserts", moe_expert_cache_inserts)
+        if not isinstance(moe_expert_cache_sync, bool):
+            raise ValueError(f"moe_expert_cache_sync must be True or False, got {moe_expert_cache_sync!r}")
         floor_mb = _check_count("moe_expert_cache_floor_mb", moe_expert_cache_floor_mb)
         ceil_mb = _check_count("moe_expert_cache_ceil_mb", moe_expert_cache_ceil_mb)
         n_cpu_moe = _check_count("n_cpu_moe", n_cpu_moe)
@@ -445,6 +472,8 @@ class Llama(llama_cpp.Llama):
                                          f"did not engage on {', '.join(device_names)} (no host-resident MoE layer "
                                          "with a device-resident router: give n_gpu_layers and cpu_moe; or no room; "
                                          "the engine's log, verbose=True, says which)")
+                    if moe_expert_cache_sync:
+                        lib.llama_model_moe_cache_set_sync(self.model, True)
                     st = MoeCacheStatsC()
                     if _llama_lib().llama_model_moe_cache_get_stats(self.model, ctypes.byref(st)):
                         wrapper._moe_slots_allocated = st.n_slots
@@ -476,7 +505,8 @@ class Llama(llama_cpp.Llama):
         mib = 1024.0 * 1024.0
         return MoeCacheStats(st.hits, st.misses, st.uploads, st.upload_bytes / mib, st.resident_bytes / mib,
                              st.alloc_bytes / mib, st.n_steps, st.n_layers, st.n_slots, st.n_inserts, st.n_expert,
-                             st.n_expert_used)
+                             st.n_expert_used, bool(st.sync), st.upload_wait_us / 1e6, st.n_h2d, st.n_waits,
+                             st.upload_file_bytes / mib, st.upload_busy_us / 1e6, st.n_publish)
 
     def moe_stream_stats(self) -> MoeStreamStats:
         """The stream tier's counters. Raises ValueError when the tier is off."""

@@ -8,10 +8,12 @@ Pure text parsing: no processes, no files.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _SUMMARY = re.compile(r"moe-cache: ([0-9.]+)% hit, resident ([0-9.]+) MiB, uploads (\d+) \(([0-9.]+) MiB\)"
-                      r"(?:, layer_demand ([0-9.]+) MiB, token_demand ([0-9.]+) MiB, steps (\d+))?")
+                      r"(?:, layer_demand ([0-9.]+) MiB, token_demand ([0-9.]+) MiB, steps (\d+))?"
+                      r"(?:, upload wait ([0-9.]+) ms, h2d (\d+) \((\d+) publishes\), waits (\d+), upload ([0-9.]+) GB/s, "
+                      r"file ([0-9.]+) MiB, (sync|async))?")
 _PREAMBLE = re.compile(r"moe-cache-preamble: (.*)$", re.M)
 _CLIFF = re.compile(r"moe-cache: WARNING (\d+) slots/layer is below the per-layer token cycle")
 
@@ -27,15 +29,30 @@ class CacheSummary:
     layer_demand_mib: float | None = None  # expert MiB one served step asks of the widest layer
     token_demand_mib: float | None = None  # expert MiB one served step asks of all cached layers
     steps: int | None = None               # graphs the cache served
+    upload_wait_ms: float | None = None    # time steps waited for uploads
+    h2d: int | None = None                 # host-to-device calls (merged upload runs + table publishes)
+    publishes: int | None = None           # of h2d, table publishes (one per device per changed step)
+    waits: int | None = None               # blocking waits for uploads
+    upload_gbps: float | None = None       # the uploader's rate while copying, GB/s
+    upload_file_mib: float | None = None   # MiB of the uploads read from the GGUF file
+    sync: bool | None = None               # --moe-expert-cache-sync
+
+    def without_timings(self) -> "CacheSummary":
+        """The fields a deterministic run repeats exactly: the timings (upload wait, waits, which
+        depend on whether an upload had finished when a step looked, and the uploader's rate) set
+        to None."""
+        return replace(self, upload_wait_ms=None, waits=None, upload_gbps=None)
 
 
 def parse_cache_summaries(log: str) -> list[CacheSummary]:
     """Every summary line in a log, in order (one per freed context)."""
     out = []
     for m in _SUMMARY.finditer(log):
-        a, b, c, d, e, f, g = m.groups()
-        out.append(CacheSummary(float(a), float(b), int(c), float(d), float(e) if e else None,
-                                float(f) if f else None, int(g) if g else None))
+        a, b, c, d, e, f, g, w, h, pub, n, r, fm, mode = m.groups()
+        opt = lambda v, t: t(v) if v else None  # noqa: E731
+        out.append(CacheSummary(float(a), float(b), int(c), float(d), opt(e, float), opt(f, float), opt(g, int),
+                                opt(w, float), opt(h, int), opt(pub, int), opt(n, int), opt(r, float),
+                                opt(fm, float), None if mode is None else mode == "sync"))
     return out
 
 
@@ -88,7 +105,8 @@ def cache_record(log: str, metrics: str | None = None) -> dict:
     ``budget_mib``; absent values are None.
 
     ``metrics``: a ``/metrics`` page of the same server (:func:`parse_cache_metrics`); its counters
-    are added as ``metrics_hits``, ``metrics_misses``, ``metrics_uploads``,
+    are added as ``metrics_hits``, ``metrics_misses``, ``metrics_uploads``, ``metrics_h2d_ops``,
+    ``metrics_waits``, ``metrics_upload_wait_seconds``,
     ``metrics_upload_mib``, ``metrics_resident_mib`` (MiB) and ``metrics_slots`` (summed over
     devices): the live values at the time of the scrape, where the summary is the value when the
     context was freed."""
@@ -98,12 +116,13 @@ def cache_record(log: str, metrics: str | None = None) -> dict:
     rec = {k: pre.get(k) for k in ("layers", "n_expert", "top_k", "slots", "staging", "inserts", "max_batch",
                                     "slot_mib", "cache_cycle_mb", "layer_cycle_slots")}
     rec["budget_mib"] = sum(pre["budget_mib"].values()) if pre.get("budget_mib") else None
-    for f in ("hit_pct", "resident_mib", "uploads", "upload_mib", "layer_demand_mib", "token_demand_mib", "steps"):
+    for f in ("hit_pct", "resident_mib", "uploads", "upload_mib", "layer_demand_mib", "token_demand_mib", "steps",
+              "upload_wait_ms", "h2d", "publishes", "waits", "upload_gbps", "upload_file_mib", "sync"):
         rec[f] = getattr(last, f) if last else None
     rec["below_cycle"] = bool(_CLIFF.search(log))
     if metrics is not None:
         m = parse_cache_metrics(metrics) or {}
-        for k in ("hits", "misses", "uploads"):
+        for k in ("hits", "misses", "uploads", "h2d_ops", "waits", "upload_wait_seconds"):
             rec[f"metrics_{k}"] = m.get(k)
         for k in ("upload", "resident"):
             b = m.get(f"{k}_bytes")

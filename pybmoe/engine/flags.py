@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 
-def cache_args(slots: int, inserts: int = 0) -> list[str]:
-    """Engine flags for a cache of ``slots`` slots per layer and ``inserts`` uploads per layer per step.
+def cache_args(slots: int, inserts: int = 0, sync: bool = False) -> list[str]:
+    """Engine flags for a cache of ``slots`` slots per layer and ``inserts`` uploads per layer per step;
+    ``sync`` adds ``--moe-expert-cache-sync`` (deterministic upload visibility, for exact replay).
 
     Raises:
         ValueError: a negative or non-integer value.
@@ -13,7 +14,8 @@ def cache_args(slots: int, inserts: int = 0) -> list[str]:
     for name, v in (("slots", slots), ("inserts", inserts)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-    return ["--moe-expert-cache", str(slots), "--moe-expert-cache-inserts", str(inserts)]
+    return ["--moe-expert-cache", str(slots), "--moe-expert-cache-inserts", str(inserts),
+            *(["--moe-expert-cache-sync"] if sync else [])]
 
 
 def host_experts_args(rpc_endpoint: str) -> list[str]:

@@ -51,7 +51,7 @@ def test_every_variant_is_bit_identical(arch_model, rpc, tmp_path, ub):
     n_prompt = None
     for slots in sorted({1, k - 1, k, n // 2, n}):
         on, log, layers = _run(arch_model, rpc, tmp_path, ub,
-                               [*engine.cache_args(slots), "--moe-expert-cache-max-batch", str(MAX_BATCH)], f"on-{slots}")
+                               [*engine.cache_args(slots, sync=True), "--moe-expert-cache-max-batch", str(MAX_BATCH)], f"on-{slots}")
         for why in ("not cached", "cannot split", "stock graph"):
             assert why not in log, log[-3000:]
         assert on == base, f"{arch_model.name} ub={ub} slots={slots}: cache-on logits differ from cache-off"
@@ -113,7 +113,7 @@ def test_the_device_chain_adds_its_biases_on_the_device(rpc, tmp_path):
     out = tmp_path / "l.bin"
     cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(out), "-m", str(model), "-p", "Hello",
            "-n", "2", "-c", "256", "-t", "2", "--fit", "off", *engine.host_experts_args(rpc.endpoint),
-           *engine.cache_args(4), "-v"]
+           *engine.cache_args(4, sync=True), "-v"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "GGML_SCHED_DEBUG": "2"})
     assert r.returncode == 0, r.stderr[-3000:]
     # "node #117 (    ADD_ID): ffn_moe_gate_biased- (3K) [RPC0[ ...] ...:  ffn_moe_gate-1-cache (3K) [RPC0[..."

@@ -25,7 +25,7 @@ def logits_run(model: Path, rpc: engine.RpcServer, slots: int | None, inserts: i
         layout.remove("--no-repack")
         layout.append("-v")  # the buffer types are logged at INFO
     return engine.run_logits(model, tmp / f"logits-{model.stem}-{slots}-{inserts}-{int(repack)}.bin",
-                             [*layout, *([] if slots is None else engine.cache_args(slots, inserts))],
+                             [*layout, *([] if slots is None else engine.cache_args(slots, inserts, sync=True))],
                              prompt=PROMPT, n_predict=n_predict, ctx=512, timeout=600)
 
 

@@ -16,7 +16,7 @@ def _run_args(model, rpc, tmp_path, extra, n_predict=16) -> subprocess.Completed
 
 
 def _run(model, rpc, slots: int, tmp_path, n_predict: int = 16) -> str:
-    r = _run_args(model, rpc, tmp_path, engine.cache_args(slots), n_predict)
+    r = _run_args(model, rpc, tmp_path, engine.cache_args(slots, sync=True), n_predict)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout + r.stderr
 
@@ -90,6 +90,12 @@ def test_server_metrics_and_props(model_q8, rpc):
     assert rec["metrics_resident_mib"] == pytest.approx(s.resident_mib, abs=0.05)
     assert rec["metrics_upload_mib"] == pytest.approx(s.upload_mib, abs=0.05)
     assert rec["metrics_uploads"] == s.uploads and rec["slots"] == 8
+    # the upload counters: the default mode never waits; every upload and table publish is a call
+    assert series["llamacpp:moe_cache_waits_total"] == 0 and series["llamacpp:moe_cache_upload_wait_seconds_total"] == 0
+    assert series["llamacpp:moe_cache_h2d_ops_total"] > 0
+    assert "# TYPE llamacpp:moe_cache_h2d_ops_total counter" in text
+    assert (rec["metrics_h2d_ops"], rec["metrics_waits"]) == (series["llamacpp:moe_cache_h2d_ops_total"], 0)
+    assert s.sync is False and s.h2d >= rec["metrics_h2d_ops"]
     assert engine.parse_cache_metrics("llamacpp:prompt_tokens_total 3\n") is None
 
 
@@ -160,16 +166,16 @@ def test_runtime_shrink_is_byte_safe(model_q8, rpc, tmp_path):
 def test_resize_during_a_decode_is_refused(model_q8, rpc, tmp_path):
     """A resize called while a decode graph is being computed (from an eval callback) is refused
     (-2), changes nothing, and the output equals a run without the attempt."""
-    plain = _run_args(model_q8, rpc, tmp_path, engine.cache_args(8))
+    plain = _run_args(model_q8, rpc, tmp_path, engine.cache_args(8, sync=True))
     assert plain.returncode == 0, plain.stderr[-2000:]
     plain_logits = (tmp_path / "l.bin").read_bytes()
-    r = _run_args(model_q8, rpc, tmp_path, [*engine.cache_args(8), "--moe-resize-in-graph", "0"])
+    r = _run_args(model_q8, rpc, tmp_path, [*engine.cache_args(8, sync=True), "--moe-resize-in-graph", "0"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "moe-cache-resize-in-graph -2 8" in r.stdout  # refused; still 8 slots
     assert "a graph is being computed; resize between generations" in r.stderr
     assert (tmp_path / "l.bin").read_bytes() == plain_logits
-    assert engine.parse_cache_summaries(r.stdout + r.stderr)[-1] == engine.parse_cache_summaries(
-        plain.stdout + plain.stderr)[-1]
+    counts = lambda log: engine.parse_cache_summaries(log)[-1].without_timings()  # noqa: E731
+    assert counts(r.stdout + r.stderr) == counts(plain.stdout + plain.stderr)
 
 
 def _moe_series(text: str) -> dict[str, float]:

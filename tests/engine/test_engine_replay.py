@@ -23,7 +23,7 @@ PROMPT = "Once upon a time, in a land of many experts,"
 def _engine_trace(model: Path, rpc, slots: int, inserts: int, tmp: Path, n_predict: int = 48):
     path = tmp / f"trace-{slots}-{inserts}.csv"
     run = engine.run_logits(model, tmp / "l.bin", [*engine.host_experts_args(rpc.endpoint),
-                                                   *engine.cache_args(slots, inserts), "--moe-trace", str(path)],
+                                                   *engine.cache_args(slots, inserts, sync=True), "--moe-trace", str(path)],
                             prompt=PROMPT, n_predict=n_predict, ctx=512, timeout=600)
     return path, run.layers
 
@@ -58,7 +58,7 @@ def test_replay_matches_engine_event_for_event(model_q8, rpc, tmp_path, slots_of
 def test_replay_matches_engine_across_server_requests(model_q8, rpc, tmp_path):
     """Two requests through llama-server: prefill and decode interleave, the cache stays warm."""
     path = tmp_path / "server-trace.csv"
-    extra = ["--moe-trace", str(path)]
+    extra = ["--moe-trace", str(path), "--moe-expert-cache-sync"]  # exact replay needs deterministic visibility
     srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 6, 2, extra))
     with srv:
         srv.completion(PROMPT, n_predict=24)
@@ -101,7 +101,7 @@ def test_replay_matches_engine_on_real_routing(granite_replay, rpc, tmp_path, sl
     model, csv, n_prompt = granite_replay
     path = tmp_path / "seen.csv"
     n_predict = 24
-    engine.run_logits(model, tmp_path / "l.bin", [*engine.host_experts_args(rpc.endpoint), *engine.cache_args(slots),
+    engine.run_logits(model, tmp_path / "l.bin", [*engine.host_experts_args(rpc.endpoint), *engine.cache_args(slots, sync=True),
                                                   "--moe-route-replay", str(csv), "--moe-trace", str(path)],
                       prompt=" ".join(["hello"] * (n_prompt - 1)), n_predict=n_predict, ctx=512, timeout=600)
     t = tr.read_trace(path)

@@ -40,7 +40,7 @@ def test_ubatches_bit_identical(model_q8, rpc, spec, tmp_path, ub):
     base, _ = _run(model_q8, rpc, tmp_path, ub, [], "off")
     for slots in (1, k - 1, k, n // 2, n):
         on, log = _run(model_q8, rpc, tmp_path, ub,
-                       [*engine.cache_args(slots), "--moe-expert-cache-max-batch", str(MAX_BATCH)], f"on-{slots}")
+                       [*engine.cache_args(slots, sync=True), "--moe-expert-cache-max-batch", str(MAX_BATCH)], f"on-{slots}")
         assert on == base, f"ub={ub} slots={slots}: cache-on logits differ"
         rec = engine.cache_record(log)
         assert rec["max_batch"] == MAX_BATCH
@@ -53,7 +53,7 @@ def test_ubatches_bit_identical(model_q8, rpc, spec, tmp_path, ub):
 
 def test_larger_ubatches_use_the_stock_graph(model_q8, rpc, tmp_path):
     base, _ = _run(model_q8, rpc, tmp_path, 64, [], "off")
-    on, log = _run(model_q8, rpc, tmp_path, 64, [*engine.cache_args(8), "--moe-expert-cache-max-batch", "4", "-v"], "on")
+    on, log = _run(model_q8, rpc, tmp_path, 64, [*engine.cache_args(8, sync=True), "--moe-expert-cache-max-batch", "4", "-v"], "on")
     assert on == base
     assert engine.cache_record(log)["steps"] == N_PREDICT - 1  # the prompt ubatch was not served
     assert "batches of more than 4 token(s) use the stock graph" in log
@@ -65,7 +65,7 @@ def test_simulator_matches_the_engine_on_small_batches(model_q8, rpc, tmp_path, 
     (top-k, or the insert cap, at most top-k x max batch); the simulator reads max_batch from the
     trace header and predicts every lookup."""
     trace = tmp_path / "t.csv"
-    _run(model_q8, rpc, tmp_path, 5, [*engine.cache_args(6, inserts), "--moe-expert-cache-max-batch", "8",
+    _run(model_q8, rpc, tmp_path, 5, [*engine.cache_args(6, inserts, sync=True), "--moe-expert-cache-max-batch", "8",
                                      "--moe-trace", str(trace)], "t")
     t = tr.read_trace(trace)
     assert t.meta.extra.get("max_batch") == "8"
@@ -96,7 +96,7 @@ def test_speculative_ngram_greedy_output_is_unchanged(model_q8, rpc, tmp_path):
     spec_args = ["--spec-type", "ngram-simple"]
     spec_off = _serve(model_q8, rpc, 0, spec_args, prompt, n)
     trace = tmp_path / "spec.csv"
-    spec_on = _serve(model_q8, rpc, 8, spec_args, prompt, n, ["--moe-trace", str(trace)])
+    spec_on = _serve(model_q8, rpc, 8, spec_args, prompt, n, ["--moe-trace", str(trace), "--moe-expert-cache-sync"])
     assert spec_off.text == plain.text
     assert spec_on.text == plain.text
     rec = engine.cache_record(spec_on.log)

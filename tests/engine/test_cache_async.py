@@ -1,0 +1,99 @@
+"""The VRAM tier's default mode: uploads never hold decode back, and what the tier does is counted.
+
+By default an upload is used from the first step after its bytes have arrived, so which lookups hit
+depends on timing; the split stays exact whatever is resident, so the logits must still be
+bit-identical to cache-off. ``--moe-expert-cache-sync`` keeps the deterministic visibility (the
+replay tests run in it). Layout: layers on the loopback ggml-rpc-server, experts on the host
+(--cpu-moe --no-repack), as in test_cache_identity.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pybmoe import engine, models
+from pybmoe.routing import trace as tr
+
+PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
+N_PREDICT = 12
+SHAPE = dict(n_layer=2, n_expert=16, n_expert_used=4, n_embd=256, n_ff_exp=256)
+ARCHS = ["qwen3moe", "gpt-oss", "gemma4"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_model(request) -> Path:
+    return models.cached_model_path(models.ModelSpec(arch=request.param, **SHAPE))
+
+
+def _run(model: Path, rpc, tmp: Path, ub: int, extra: list[str], name: str, mmap: bool = True) -> engine.LogitsRun:
+    args = ["-b", "512", "-ub", str(ub), *engine.host_experts_args(rpc.endpoint), *extra]
+    if not mmap:
+        args += ["--load-mode", "none"]  # no memory map: the experts are read into a CPU buffer
+    return engine.run_logits(model, tmp / f"{name}.bin", args, prompt=PROMPT, n_predict=N_PREDICT, ctx=512)
+
+
+@pytest.mark.parametrize("ub", [1, 4, 9])
+def test_both_modes_are_bit_identical_to_cache_off(arch_model, rpc, tmp_path, ub):
+    spec = models.read_spec(arch_model)
+    k, n = spec.n_expert_used, spec.n_expert
+    base = _run(arch_model, rpc, tmp_path, ub, [], "off")
+    for slots in (k - 1, n // 2):
+        for sync in (False, True):
+            trace = tmp_path / f"trace-{slots}-{int(sync)}.csv"
+            r = _run(arch_model, rpc, tmp_path, ub, [*engine.cache_args(slots, sync=sync), "--moe-expert-cache-max-batch",
+                                                     "16", "--moe-trace", str(trace)], f"on-{slots}-{int(sync)}")
+            what = f"{arch_model.name} ub={ub} slots={slots} {'sync' if sync else 'default'}"
+            assert r.logits == base.logits and r.tokens == base.tokens, f"{what}: logits differ from cache-off"
+            s = engine.parse_cache_summaries(r.log)[-1]
+            assert s.sync is sync, what
+            # the counters add up: the trace's lookups are the tier's hits + misses, layer by layer
+            t = tr.read_trace(trace).frame
+            served = t[t["hit"] >= 0]
+            assert len(served) > 0, what
+            for il, (hits, misses) in r.layers.items():
+                rows = served[served["layer"] == il]
+                assert (int((rows["hit"] == 1).sum()), int((rows["hit"] == 0).sum())) == (hits, misses), (what, il)
+            if not sync:
+                assert s.waits == 0 and s.upload_wait_ms == 0.0, f"{what}: a default-mode step waited for uploads"
+
+
+def test_one_table_publish_per_step_and_one_copy_per_merged_run(model_q8, rpc, tmp_path):
+    """Per step on one device the cache issues at most one table publish (all layers' tables are one
+    tensor) plus one host-to-device call per merged run of uploads: never more calls than uploads
+    times projections."""
+    spec = models.read_spec(model_q8)
+    r = _run(model_q8, rpc, tmp_path, 1, [*engine.cache_args(4, sync=True)], "publish")
+    s = engine.parse_cache_summaries(r.log)[-1]
+    n_proj = 3  # qwen3moe: up, gate, down
+    assert s.steps > 10 and s.uploads > 0
+    assert 1 <= s.publishes <= s.steps + 1, s  # + the publish at load
+    in_flight = spec.n_layer * spec.n_expert_used  # moves scheduled after the last step, never settled
+    assert s.h2d - s.publishes <= (s.uploads + in_flight) * n_proj, s
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_uploads_from_host_memory_read_no_file_bytes(model_q8, rpc, tmp_path, mmap):
+    """The host experts hold the GGUF layout in memory (the map, or a CPU buffer without it): the
+    uploader copies from there and reads nothing from the file."""
+    r = _run(model_q8, rpc, tmp_path, 1, [*engine.cache_args(4)], f"mem-{int(mmap)}", mmap=mmap)
+    s = engine.parse_cache_summaries(r.log)[-1]
+    assert s.uploads > 0 and s.upload_mib > 0
+    assert s.upload_file_mib == 0.0, s
+
+
+def test_repacked_host_experts_are_uploaded_from_the_file(rpc, tmp_path):
+    """A repacked host tensor does not hold the GGUF layout: its experts are read from the file."""
+    model = models.default_model_path("Q4_K")
+    layout = [a for a in engine.host_experts_args(rpc.endpoint) if a != "--no-repack"]
+    r = engine.run_logits(model, tmp_path / "repack.bin", [*layout, *engine.cache_args(4), "-v"], prompt=PROMPT,
+                          n_predict=N_PREDICT, ctx=512)
+    assert "CPU_REPACK" in r.log
+    s = engine.parse_cache_summaries(r.log)[-1]
+    assert s.uploads > 0 and s.upload_file_mib > 0
+
+
+def test_a_bad_sync_value_is_refused_by_the_bindings(model_q8):
+    from pybmoe.engine import bindings
+    with pytest.raises(ValueError, match="moe_expert_cache_sync must be True or False"):
+        bindings.Llama(model_q8, moe_expert_cache=4, moe_expert_cache_sync="yes")
