@@ -83,10 +83,17 @@ const llama_moe_cache * llama_moe_cache_active(const llama_model & model) {
 //
 
 void llama_moe_cache_before_ubatch(const llama_model & model) {
-    if (model.moe_cache) {
-        model.moe_cache->n_busy++;
+    llama_moe_cache * mc = model.moe_cache;
+    if (mc == nullptr) {
+        return;
     }
+    if (mc->active()) {
+        mc->graph_mutex.lock(); // released at the end of llama_moe_cache_after_ubatch
+    }
+    mc->n_busy++;
 }
+
+static void llama_moe_cache_step(llama_moe_cache * mc, ggml_backend_sched_t sched, const llama_ubatch * ubatch);
 
 void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch * ubatch) {
     llama_moe_cache * mc = model.moe_cache;
@@ -94,9 +101,16 @@ void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_
         return;
     }
     mc->n_busy--;
-    if (ubatch == nullptr || !mc->active()) {
-        return; // the graph failed, or nothing to do
+    if (!mc->active()) {
+        return; // nothing to do (and no turn was taken: the tiers are set up before any context)
     }
+    if (ubatch != nullptr) { // else the graph failed
+        llama_moe_cache_step(mc, sched, ubatch);
+    }
+    mc->graph_mutex.unlock();
+}
+
+static void llama_moe_cache_step(llama_moe_cache * mc, ggml_backend_sched_t sched, const llama_ubatch * ubatch) {
     std::lock_guard<std::mutex> lock(mc->mutex);
     ggml_backend_sched_synchronize(sched); // no graph in flight from here on
 

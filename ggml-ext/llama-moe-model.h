@@ -58,6 +58,13 @@ struct llama_moe_cache {
     std::atomic<int32_t> n_busy { 0 }; // graphs being computed (resizing is refused meanwhile)
     mutable std::mutex   mutex;        // the step against the stats getters and the resize
 
+    // One graph at a time per model while a tier, the trace or route replay is on: held from
+    // before a ubatch's graph is computed until its after-step is done. Two contexts of one model
+    // decoding from two threads (the MTP draft context shares the model too) then take turns: one
+    // context's step never rewrites the tables, frees slots or evicts RAM entries while the other's
+    // graph reads them. One thread runs its contexts one after the other, so it never waits on itself.
+    std::mutex graph_mutex;
+
     bool active() const {
         return vram.enabled() || stream.on() || trace.on() || replay.on();
     }

@@ -15,7 +15,7 @@ from .writer import (ARCHES, FTYPES, GENERATOR_VERSION, GRANITE_TRACE_SPEC, KV, 
                      RMS_EPS, ROPE_FREQ_BASE, VOCAB_FILE, ArchDef, Metadata, ModelSpec, MoeShape, TensorInfo,
                      attention_plan, cache_dir, cached_model_path, copy_with_tensor_values, default_model_path,
                      default_vocab_path, embd_qtype, expert_bytes, make_model, quantize, quantize_q4_k,
-                     read_metadata, read_spec, read_tensor, register_arch, row_bytes, tensor_plan, tokenizer_kvs,
+                     read_metadata, read_spec, split_files, read_tensor, register_arch, row_bytes, tensor_plan, tokenizer_kvs,
                      write_model)
 from . import archs  # noqa: E402,F401  (the architectures register themselves with the writer)
 
@@ -23,5 +23,5 @@ __all__ = ["ARCHES", "FTYPES", "GENERATOR_VERSION", "GRANITE_TRACE_SPEC", "KV", 
            "RMS_EPS", "ROPE_FREQ_BASE", "VOCAB_FILE", "ArchDef", "Metadata", "ModelSpec", "MoeShape", "TensorInfo",
            "attention_plan", "cache_dir", "cached_model_path", "copy_with_tensor_values", "default_model_path",
            "default_vocab_path", "embd_qtype", "expert_bytes", "make_model", "quantize", "quantize_q4_k",
-           "read_metadata", "read_spec", "read_tensor", "register_arch", "row_bytes", "tensor_plan", "tokenizer_kvs",
+           "read_metadata", "read_spec", "split_files", "read_tensor", "register_arch", "row_bytes", "tensor_plan", "tokenizer_kvs",
            "write_model"]

@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import re
 import struct
 import secrets
 import shutil
@@ -328,6 +329,29 @@ _SCALAR = {VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h", VT.UI
 _NUMPY = {VT.UINT8: "<u1", VT.INT8: "<i1", VT.UINT16: "<u2", VT.INT16: "<i2", VT.UINT32: "<u4",
           VT.INT32: "<i4", VT.FLOAT32: "<f4", VT.BOOL: "?", VT.UINT64: "<u8", VT.INT64: "<i8",
           VT.FLOAT64: "<f8"}
+
+
+def split_files(path: str | os.PathLike) -> list[Path]:
+    """The files of a GGUF: ``[path]``, or every shard of a split GGUF given its first file
+    (``<prefix>-00001-of-0000N.gguf``, the ``split.count`` key; llama.cpp's ``gguf-split`` names).
+
+    Raises :class:`FileNotFoundError` naming a missing shard, :class:`ValueError` for a file that
+    is not GGUF, or a split whose first file is not named as llama.cpp names shards.
+    """
+    path = Path(path)
+    kvs = read_metadata(path).kvs
+    n = int(kvs["split.count"].value) if "split.count" in kvs else 1
+    if n <= 1:
+        return [path]
+    m = re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", path.name)
+    if not m or int(m.group(3)) != n or int(kvs["split.no"].value if "split.no" in kvs else 0) != 0:
+        raise ValueError(f"{path} is shard {int(kvs['split.no'].value) + 1 if 'split.no' in kvs else '?'} of a "
+                         f"{n}-file split GGUF but is not named <prefix>-00001-of-{n:05d}.gguf; pass the first file")
+    files = [path.with_name(f"{m.group(1)}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: shard of the split GGUF {path} is missing")
+    return files
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
