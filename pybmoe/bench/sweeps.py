@@ -103,13 +103,14 @@ SPEC_TYPES = ("off", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod"
 #: The bundled request mix of the server runner (see the module docstring).
 TRAFFIC = Path(__file__).resolve().parent.parent / "data" / "traffic.json"
 #: Columns added to llama-bench's own, in this order.
-CACHE_COLUMNS = ("mode", "repeat", "runner", "backend", "spec", "slots", "inserts", "max_batch", "hit_pct",
+CACHE_COLUMNS = ("mode", "repeat", "runner", "backend", "spec", "slots", "inserts", "max_batch", "sync", "hit_pct",
                  "resident_mib",
-                 "uploads", "upload_mib", "steps", "budget_mib", "slot_mib", "below_cycle", "overflow",
+                 "uploads", "upload_mib", "steps", "upload_wait_ms", "h2d", "waits", "upload_gbps",
+                 "upload_wait_ms_per_step", "h2d_per_step", "budget_mib", "slot_mib", "below_cycle", "overflow",
                  "overflow_reason")
 #: Point keys: one cache-off baseline per (runner, backend, spec, n_threads, n_ubatch, mode).
 BASE_KEYS = ("runner", "backend", "spec", "n_threads", "n_ubatch", "mode")
-POINT_KEYS = BASE_KEYS + ("slots", "inserts", "max_batch")
+POINT_KEYS = BASE_KEYS + ("slots", "inserts", "max_batch", "sync")
 
 # Log lines that mean the configuration did not fit on the device (see the module docstring).
 _OVERFLOW = re.compile(
@@ -129,7 +130,9 @@ class Point:
     ``slots``: slots per layer (0 = cache off); ``inserts``: uploads per layer per step
     (0 = unlimited); ``ubatch`` tokens; ``threads`` host threads; ``backend`` ``rpc`` | ``gpu``;
     ``spec`` ``off`` or a ``--spec-type`` (server runner only); ``max_batch`` the largest ubatch the
-    cache serves (tokens, ``--moe-expert-cache-max-batch``; 0 = the engine's default).
+    cache serves (tokens, ``--moe-expert-cache-max-batch``; 0 = the engine's default); ``sync``
+    deterministic upload visibility (``--moe-expert-cache-sync``: each step waits for the uploads
+    of the one before) instead of the default (no step waits).
     """
 
     slots: int
@@ -139,6 +142,7 @@ class Point:
     backend: str
     spec: str = "off"
     max_batch: int = 0
+    sync: bool = False
 
 
 @dataclass
@@ -174,10 +178,11 @@ def _specs(specs: Sequence[str]) -> list[str]:
 
 
 def grid(slots: Sequence[int], inserts: Sequence[int], ubatch: Sequence[int], threads: Sequence[int],
-         backends: Sequence[str], specs: Sequence[str] = ("off",), max_batch: Sequence[int] = (0,)) -> list[Point]:
+         backends: Sequence[str], specs: Sequence[str] = ("off",), max_batch: Sequence[int] = (0,),
+         sync: Sequence[bool] = (False,)) -> list[Point]:
     """The points of a sweep. The cache-off point (``slots = 0``) appears once per backend,
-    speculation, threads and ubatch, whatever the insert caps and cached batch sizes, with
-    ``inserts = 0`` and ``max_batch = 0``.
+    speculation, threads and ubatch, whatever the insert caps, cached batch sizes and upload modes,
+    with ``inserts = 0``, ``max_batch = 0`` and ``sync = False``.
 
     Raises :class:`ValueError` for a negative slot count, insert cap or ``max_batch``, a ubatch or
     thread count below 1, an unknown backend or an unknown speculation type.
@@ -188,13 +193,16 @@ def grid(slots: Sequence[int], inserts: Sequence[int], ubatch: Sequence[int], th
     threads = _ints("threads", threads, 1)
     specs = _specs(specs)
     max_batch = _ints("max_batch", max_batch, 0)
+    sync = list(dict.fromkeys(sync))
+    if not sync or any(not isinstance(v, bool) for v in sync):
+        raise ValueError(f"sync {sync!r}: expected False (the default mode) and/or True (--moe-expert-cache-sync)")
     for b in backends:
         if b not in ("rpc", "gpu"):
             raise ValueError(f"backend {b!r} is not supported; accepted: rpc, gpu (or auto)")
     pts: list[Point] = []
     for b, sp, t, u, s in itertools.product(dict.fromkeys(backends), specs, threads, ubatch, slots):
-        for i, mb in ([(0, 0)] if s == 0 else itertools.product(inserts, max_batch)):
-            pts.append(Point(s, i, u, t, b, sp, mb))
+        for i, mb, sy in ([(0, 0, False)] if s == 0 else itertools.product(inserts, max_batch, sync)):
+            pts.append(Point(s, i, u, t, b, sp, mb, sy))
     return list(dict.fromkeys(pts))
 
 
@@ -266,7 +274,7 @@ def bench_command(model: Path, point: Point, mode: str, *, n_prompt: int, n_gen:
     return [str(engine.find_binary("llama-bench")), "-m", str(model), *pn, "-r", "1", "-o", "csv", "-v",
             "-t", str(point.threads), "-ub", str(point.ubatch),
             *_backend_args(point.backend, rpc_endpoint),
-            *engine.cache_args(point.slots, point.inserts), *_max_batch_args(point), *extra_args]
+            *engine.cache_args(point.slots, point.inserts, sync=point.sync), *_max_batch_args(point), *extra_args]
 
 
 def _max_batch_args(point: Point) -> list[str]:
@@ -316,10 +324,14 @@ def run_point(model: Path, point: Point, mode: str, *, n_prompt: int, n_gen: int
 def _cache_columns(point: Point, rec: dict, reason: str | None) -> dict:
     """The point's and the cache's columns of a row (``rec``: :func:`pybmoe.engine.cache_record`)."""
     on = point.slots > 0
+    per_step = lambda v: v / rec["steps"] if on and v is not None and rec.get("steps") else np.nan  # noqa: E731
     return dict(backend=point.backend, spec=point.spec, slots=point.slots, inserts=point.inserts,
-                max_batch=point.max_batch,
+                max_batch=point.max_batch, sync=point.sync,
                 hit_pct=rec["hit_pct"] if on else np.nan, resident_mib=rec["resident_mib"] if on else 0.0,
                 uploads=rec["uploads"] if on else 0, upload_mib=rec["upload_mib"] if on else 0.0,
+                upload_wait_ms=rec.get("upload_wait_ms") if on else np.nan, h2d=rec.get("h2d") if on else np.nan,
+                waits=rec.get("waits") if on else np.nan, upload_gbps=rec.get("upload_gbps") if on else np.nan,
+                upload_wait_ms_per_step=per_step(rec.get("upload_wait_ms")), h2d_per_step=per_step(rec.get("h2d")),
                 steps=rec["steps"], budget_mib=rec["budget_mib"], slot_mib=rec["slot_mib"],
                 below_cycle=rec["below_cycle"], overflow=reason is not None, overflow_reason=reason or "")
 
@@ -369,7 +381,7 @@ def server_command_args(model: Path, point: Point, *, rpc_endpoint: str | None =
         args = ["--rpc", rpc_endpoint, *args]
     if point.spec != "off":
         args += ["--spec-type", point.spec]
-    return [*args, *engine.cache_args(point.slots, point.inserts), *_max_batch_args(point), *extra_args]
+    return [*args, *engine.cache_args(point.slots, point.inserts, sync=point.sync), *_max_batch_args(point), *extra_args]
 
 
 def run_server_point(model: Path, point: Point, requests: Sequence[dict], *, rpc_endpoint: str | None = None,
@@ -422,12 +434,19 @@ def summarize(runs: pd.DataFrame) -> pd.DataFrame:
     s = g.agg(n=("avg_ts", "size"), median_ts=("avg_ts", "median"), min_ts=("avg_ts", "min"),
               max_ts=("avg_ts", "max"), median_hit_pct=("hit_pct", "median"),
               median_resident_mib=("resident_mib", "median"), median_uploads=("uploads", "median"),
-              overflow=("overflow", "any")).reset_index()
+              median_upload_wait_ms_per_step=("upload_wait_ms_per_step", "median"),
+              median_h2d_per_step=("h2d_per_step", "median"), overflow=("overflow", "any")).reset_index()
     base = s[s["slots"] == 0].set_index(list(BASE_KEYS))["median_ts"].rename("baseline_ts")
+    # the default upload mode against --moe-expert-cache-sync at the same point, when both ran
+    keys = [k for k in POINT_KEYS if k != "sync"]
+    sync_ts = s[s["sync"].astype(bool)].set_index(keys)["median_ts"].rename("sync_ts")
     s = s.join(base, on=list(BASE_KEYS))
     s["ratio"] = s["median_ts"] / s["baseline_ts"]
-    cols = list(POINT_KEYS) + ["n", "median_ts", "min_ts", "max_ts", "baseline_ts", "ratio", "median_hit_pct",
-                               "median_resident_mib", "median_uploads", "overflow"]
+    s = s.join(sync_ts, on=keys)
+    s["ratio_to_sync"] = (s["median_ts"] / s["sync_ts"]).where(~s["sync"].astype(bool))
+    cols = list(POINT_KEYS) + ["n", "median_ts", "min_ts", "max_ts", "baseline_ts", "ratio", "ratio_to_sync",
+                               "median_hit_pct", "median_resident_mib", "median_uploads",
+                               "median_upload_wait_ms_per_step", "median_h2d_per_step", "overflow"]
     if "draft_n" in runs:  # the server runner: the share of drafted tokens the target accepted, over all runs
         d = g.agg(draft_n=("draft_n", "sum"), draft_accepted=("draft_accepted", "sum")).reset_index()
         s["draft_accept_pct"] = (100 * d["draft_accepted"] / d["draft_n"].where(d["draft_n"] > 0)).to_numpy()
@@ -441,7 +460,8 @@ def sweep(model: str | os.PathLike, out_dir: str | os.PathLike, *, slots: Sequen
           modes: Sequence[str] = MODES, rpc_threads: int | None = None, floor_mib: float = 0.0,
           extra_args: Sequence[str] = (), progress: bool = True, plots: bool = True, runner: str = "bench",
           specs: Sequence[str] = ("off",), traffic: str | os.PathLike | None = None,
-          n_requests: int | None = None, max_batch: Sequence[int] = (0,)) -> SweepResult:
+          n_requests: int | None = None, max_batch: Sequence[int] = (0,),
+          sync: Sequence[bool] = (False,)) -> SweepResult:
     """Run a sweep and write ``sweep.csv``, ``sweep-summary.csv`` and the plots into ``out_dir``.
 
     ``slots`` slots per layer (0 = cache off; it is added when missing, as the baseline);
@@ -455,7 +475,8 @@ def sweep(model: str | os.PathLike, out_dir: str | os.PathLike, *, slots: Sequen
     bench runner takes ``off`` only); ``traffic`` the server runner's request file (default
     :data:`TRAFFIC`) and ``n_requests`` its first N requests; ``max_batch`` the largest ubatches the
     cache serves (tokens; 0 = the engine's default; e.g. the ubatch, to put prefill through the
-    cache).
+    cache); ``sync`` the upload modes (``(False, True)`` runs the default against
+    ``--moe-expert-cache-sync``, interleaved).
 
     Raises :class:`ValueError` (bad arguments, before anything runs), :class:`FileNotFoundError`
     (no model or traffic file) or :class:`pybmoe.engine.EngineError` (a failed run).
@@ -487,9 +508,9 @@ def sweep(model: str | os.PathLike, out_dir: str | os.PathLike, *, slots: Sequen
     threads = threads or [os.cpu_count() or 1]
     requests = load_traffic(traffic, n_requests, n_gen) if runner == "server" else []
     grid(slots, inserts, ubatch, threads, [b if b != "auto" else "rpc" for b in backends], specs,
-         max_batch)  # validate first
+         max_batch, sync)  # validate first
     resolved = list(dict.fromkeys(detect_backend() if b == "auto" else b for b in backends))
-    points = grid(slots, inserts, ubatch, threads, resolved, specs, max_batch)
+    points = grid(slots, inserts, ubatch, threads, resolved, specs, max_batch, sync)
     out_dir = Path(out_dir)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -506,7 +527,8 @@ def sweep(model: str | os.PathLike, out_dir: str | os.PathLike, *, slots: Sequen
             order = points if rep % 2 == 0 else sorted(points, key=lambda p: -p.slots)
             order = sorted(order, key=lambda p: (p.backend, p.spec, p.threads, p.ubatch))  # stable: keeps slot order
             for p in order:
-                tag = f"s{p.slots}-i{p.inserts}-mb{p.max_batch}-ub{p.ubatch}-t{p.threads}-{p.backend}-{p.spec}-r{rep}"
+                tag = (f"s{p.slots}-i{p.inserts}-mb{p.max_batch}{'-sync' if p.sync else ''}-ub{p.ubatch}-t{p.threads}"
+                       f"-{p.backend}-{p.spec}-r{rep}")
                 if runner == "server":
                     bar.set_postfix_str(f"server slots={p.slots} ins={p.inserts} ub={p.ubatch} t={p.threads} "
                                         f"{p.backend} spec={p.spec} r{rep}")
@@ -558,9 +580,10 @@ def sweep(model: str | os.PathLike, out_dir: str | os.PathLike, *, slots: Sequen
 
 def format_summary(summary: pd.DataFrame) -> str:
     """The summary as a Markdown table (tok/s medians, ratio to cache off, hit %, uploads)."""
-    cols = ["mode", "runner", "backend", "spec", "n_threads", "n_ubatch", "slots", "inserts", "max_batch", "n",
+    cols = ["mode", "runner", "backend", "spec", "n_threads", "n_ubatch", "slots", "inserts", "max_batch", "sync", "n",
             "median_ts",
-            "baseline_ts", "ratio", "median_hit_pct", "median_resident_mib", "median_uploads", "overflow"]
+            "baseline_ts", "ratio", "ratio_to_sync", "median_hit_pct", "median_resident_mib", "median_uploads",
+            "median_upload_wait_ms_per_step", "median_h2d_per_step", "overflow"]
     if "draft_accept_pct" in summary:
         cols.append("draft_accept_pct")
     s = summary[cols].copy()
@@ -569,6 +592,10 @@ def format_summary(summary: pd.DataFrame) -> str:
     for c in ("median_ts", "baseline_ts"):
         s[c] = s[c].map(lambda v: f"{v:.1f}")
     s["ratio"] = s["ratio"].map(lambda v: f"{v:.3f}")
+    s["ratio_to_sync"] = s["ratio_to_sync"].map(lambda v: "–" if pd.isna(v) else f"{v:.3f}")
+    s["median_upload_wait_ms_per_step"] = s["median_upload_wait_ms_per_step"].map(
+        lambda v: "–" if pd.isna(v) else f"{v:.2f}")
+    s["median_h2d_per_step"] = s["median_h2d_per_step"].map(lambda v: "–" if pd.isna(v) else f"{v:.1f}")
     s["median_hit_pct"] = s["median_hit_pct"].map(lambda v: "–" if pd.isna(v) else f"{v:.1f}")
     s["median_resident_mib"] = s["median_resident_mib"].map(lambda v: f"{v:.1f}")
     s["median_uploads"] = s["median_uploads"].map(lambda v: f"{v:.0f}")

@@ -21,6 +21,15 @@ def _list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def _modes(text: str) -> list[bool]:
+    out = []
+    for x in (v.strip() for v in text.split(",") if v.strip()):
+        if x not in ("off", "on"):
+            raise ValueError(f"--sync {text!r}: expected off, on or off,on")
+        out.append(x == "on")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``pybmoe sweep -m MODEL --slots 0,8 [--repeats N] --out DIR ...``; returns the exit status."""
     ap = argparse.ArgumentParser(
@@ -38,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=_list, default=[0], help="--moe-expert-cache-max-batch values: the largest "
                                                                  "ubatch the cache serves, tokens (0 = the engine's "
                                                                  "default) (default 0)")
+    ap.add_argument("--sync", default="off", help="upload modes, comma-separated: off (the default: no step waits "
+                                                  "for uploads), on (--moe-expert-cache-sync) or off,on (both, "
+                                                  "interleaved; the summary gains ratio_to_sync) (default off)")
     ap.add_argument("--threads", type=_list, default=None, help="host threads (default: the CPU count)")
     ap.add_argument("--backend", default="auto", help="comma-separated: auto, rpc (loopback ggml-rpc-server), "
                                                       "gpu (the local device) (default auto)")
@@ -71,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rpc_threads=a.rpc_threads, floor_mib=a.floor_mb, extra_args=a.bench_args.split(),
                     progress=not a.no_progress, runner=a.runner,
                     specs=[x.strip() for x in a.spec.split(",") if x.strip()], traffic=a.traffic,
-                    n_requests=a.requests, max_batch=a.max_batch)
+                    n_requests=a.requests, max_batch=a.max_batch, sync=_modes(a.sync))
     except (ValueError, FileNotFoundError, engine.EngineError) as e:
         print(f"pybmoe sweep: error: {e}", file=sys.stderr)
         return 2

@@ -74,6 +74,27 @@ def test_sweep_summary_and_plots(tiny_sweep):
         assert png.stat().st_size > 10_000
 
 
+def test_default_against_sync_in_one_sweep(model_q8, tmp_path):
+    """--sync off,on runs both upload modes at each cached point, interleaved; the CSV carries the
+    upload counters per step and the summary the ratio of the default mode to sync mode."""
+    out = tmp_path / "sync"
+    rc = cli.main(["sweep", "-m", str(model_q8), "--slots", "4", "--sync", "off,on", "--repeats", "1", "--out",
+                   str(out), "-p", "8", "-n", "16", "--modes", "tg", "--threads", "1", "--rpc-threads", "1",
+                   "--backend", "rpc", "--no-progress"])
+    assert rc == 0
+    runs = pd.read_csv(out / "sweep.csv")
+    on = runs[runs["slots"] == 4]
+    assert sorted(on["sync"].tolist()) == [False, True] and (runs[runs["slots"] == 0]["sync"] == False).all()  # noqa: E712
+    assert (on["h2d"] > 0).all() and (on["h2d_per_step"] == on["h2d"] / on["steps"]).all()
+    assert (on[~on["sync"]]["waits"] == 0).all() and (on[~on["sync"]]["upload_wait_ms"] == 0).all()
+    s = pd.read_csv(out / "sweep-summary.csv")
+    default = s[(s["slots"] == 4) & ~s["sync"]]
+    sync = s[(s["slots"] == 4) & s["sync"]]
+    assert len(default) == len(sync) == 1
+    assert np.isclose(default["ratio_to_sync"].iloc[0], default["median_ts"].iloc[0] / sync["median_ts"].iloc[0])
+    assert sync["ratio_to_sync"].isna().all()
+
+
 def test_floor_marks_overflow(model_q8, tmp_path):
     # a floor above the device's free memory: every run's buffers "spill"; rows are marked, not dropped
     res = bench.sweep(model_q8, tmp_path, slots=[0, 8], repeats=1, n_prompt=8, n_gen=8, modes=["tg"], threads=[1],
@@ -201,6 +222,7 @@ def test_traffic_file_errors(tmp_path):
     (["--spec", "ngram-simple"], "llama-bench has no speculative decoding"),
     (["--runner", "server", "--spec", "medusa"], "not a speculative decoding type"),
     (["--runner", "server", "--traffic", "/nonexistent/t.json"], "traffic file"),
+    (["--sync", "maybe"], "expected off, on or off,on"),
 ])
 def test_bad_input_fails_early(model_q8, tmp_path, capsys, argv, message):
     rc = cli.main(["sweep", "-m", str(model_q8), "--out", str(tmp_path / "o"), "--no-progress", *argv])
