@@ -214,10 +214,15 @@ static void llama_moe_vram_fit_count(llama_model & model, const std::map<ggml_ba
     }
 }
 
-// the device companions of the layers `ils` in buft, one context + buffer owned by the model; the
-// layers are appended to vram.layers. Returns false (logged) when the buffer cannot be allocated.
+// the device companions built so far: handed to the model once start-up has succeeded, freed with
+// the start-up otherwise (a cache that turns itself off keeps no device memory)
+using llama_moe_held_buffers = std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>>;
+
+// the device companions of the layers `ils` in buft, one context + buffer (into `held`); the layers
+// are appended to vram.layers. Returns false (logged) when the buffer cannot be allocated.
 static bool llama_moe_vram_alloc(llama_model & model, llama_moe_cache & mc, ggml_backend_buffer_type_t buft,
-                                 const std::vector<int> & ils, int32_t dev_slots, int32_t n_stage, std::string & budgets) {
+                                 const std::vector<int> & ils, int32_t dev_slots, int32_t n_stage, std::string & budgets,
+                                 llama_moe_held_buffers & held) {
     auto & vram = mc.vram;
     const int32_t n_expert = (int32_t) model.hparams.n_expert;
     const int32_t n_used   = (int32_t) model.hparams.n_expert_used();
@@ -288,7 +293,7 @@ static bool llama_moe_vram_alloc(llama_model & model, llama_moe_cache & mc, ggml
     vram.devices.push_back({ ggml_backend_buft_name(buft), (int64_t) dev_slots * (int64_t) ils.size(), size });
     LLAMA_LOG_INFO("%s: moe-cache: %8.2f MiB of expert slots for %zu layers in %s\n", __func__,
             size/1024.0/1024.0, ils.size(), ggml_backend_buft_name(buft));
-    model.add_owned_buffer(std::move(ctx), ggml_backend_buffer_ptr(buf));
+    held.emplace_back(std::move(ctx), ggml_backend_buffer_ptr(buf));
     return true;
 }
 
@@ -485,10 +490,11 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     }
     vram.layers.reserve(n_layers);
     std::string budgets; // "<buft>:<MiB>,..." for the preamble
+    llama_moe_held_buffers held;
     for (const auto & [buft, ils] : by_buft) {
         const int32_t dev_slots = slots_of.at(buft);
-        if (!llama_moe_vram_alloc(*model, *mc, buft, ils, dev_slots, stage_for(dev_slots), budgets)) {
-            vram.disable();
+        if (!llama_moe_vram_alloc(*model, *mc, buft, ils, dev_slots, stage_for(dev_slots), budgets, held)) {
+            vram.disable(); // before `held` frees the tensors its layers point at
             return -1;
         }
     }
@@ -499,9 +505,14 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     llama_moe_cache * owner = mc;
     vram.uploader.on_done = [owner](int32_t entry) { owner->stream.unpin(entry); };
     if (!vram.uploader.start(mc->sources.paths, err)) {
-        LLAMA_LOG_ERROR("%s: moe-cache: cannot open %s to read expert bytes; the cache is OFF\n", __func__, err.c_str());
-        vram.disable();
+        const uint64_t freed = vram.alloc_bytes;
+        vram.disable(); // and `held` frees every device buffer on return
+        LLAMA_LOG_ERROR("%s: moe-cache: cannot open %s to read expert bytes; the cache is OFF (%.2f MiB it had "
+                "allocated are freed)\n", __func__, err.c_str(), freed/1024.0/1024.0);
         return -1;
+    }
+    for (auto & [ctx, buf] : held) {
+        model->add_owned_buffer(std::move(ctx), std::move(buf)); // counted in the model's memory breakdown
     }
 
     const auto & l0 = vram.layers[0];

@@ -73,6 +73,10 @@ void llama_moe_vram::disable() {
     layers.clear();
     tables.clear();
     tickets.clear();
+    devices.clear();
+    host_buf.reset();
+    host_ctx.reset();
+    alloc_bytes = 0;
     res = {};
     n_slots = 0;
 }
