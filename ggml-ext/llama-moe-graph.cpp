@@ -68,6 +68,7 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
     }
     if (d.n_ubatch > mc->max_batch) {
         mc->log.once("batch", "batches of more than %d token(s) use the stock graph (all experts on the host)", mc->max_batch);
+        mc->vram.graph_count(d.ctx, d.gf, d.selected, mc->vram.layer_of_il[d.il]); // the prefill warm-up's counts
         return nullptr;
     }
     return l;

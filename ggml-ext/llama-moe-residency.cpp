@@ -160,6 +160,36 @@ void llama_moe_residency::schedule() {
     }
 }
 
+int32_t llama_moe_residency::warm(int32_t il, const std::vector<int32_t> & experts, int32_t n) {
+    auto & l = layers.at(il);
+    if (l.n_slots == 0) {
+        return 0;
+    }
+    int32_t done = 0;
+    int32_t p = 0;
+    for (int32_t e : experts) {
+        if (done == n) {
+            break;
+        }
+        LLAMA_MOE_RES_ASSERT(e >= 0 && e < l.n_expert);
+        if (l.is_resident(e) || std::find(l.slot_expert.begin(), l.slot_expert.end(), e) != l.slot_expert.end()) {
+            continue;
+        }
+        while (p < l.n_phys && l.slot_state[p] != LLAMA_MOE_SLOT_FREE) {
+            p++;
+        }
+        if (p == l.n_phys) {
+            break;
+        }
+        l.slot_state[p]  = LLAMA_MOE_SLOT_MOVING;
+        l.slot_expert[p] = e;
+        l.used[e] = step;
+        moving.push_back({ il, e, p });
+        done++;
+    }
+    return done;
+}
+
 void llama_moe_residency::resize(int32_t n_slots) {
     LLAMA_MOE_RES_ASSERT(moving.empty() && n_slots >= 0);
     for (int32_t il = 0; il < (int32_t) layers.size(); ++il) {

@@ -101,6 +101,11 @@ struct llama_moe_residency {
     // appends to `moving`
     void schedule();
 
+    // the prefill warm-up: up to n of `experts` (most used first) that are neither resident nor
+    // moving become moves into free slots of layer il, marked used at the current step so that the
+    // next settle keeps them over older residents; returns the moves scheduled (appended to `moving`)
+    int32_t warm(int32_t il, const std::vector<int32_t> & experts, int32_t n);
+
     // sets the residents per layer to min(n_slots, n_cap); a shrink evicts the least recently used
     // at once. Call with nothing moving (settle first).
     void resize(int32_t n_slots);

@@ -150,9 +150,53 @@ void llama_moe_vram::publish() {
     }
 }
 
+static void llama_moe_vram_count_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+    GGML_UNUSED(dst); GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    auto * op = (llama_moe_vram::count_op *) userdata;
+    auto & counts = op->vram->prefill_counts[op->li];
+    for (int64_t r = 0; r < a->ne[1]; ++r) {
+        for (int64_t k = 0; k < a->ne[0]; ++k) {
+            const int32_t e = *(const int32_t *) ((const char *) a->data + r*a->nb[1] + k*a->nb[0]);
+            if (e >= 0 && e < (int32_t) counts.size()) {
+                counts[e]++;
+            }
+        }
+    }
+    op->vram->prefill_seen = true;
+}
+
+void llama_moe_vram::graph_count(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * selected, int32_t li) const {
+    if (warmup <= 0 || li < 0 || li >= (int32_t) count_ops.size()) {
+        return;
+    }
+    // note: the op writes only the model's counters (its output is a dummy); the CPU runs it
+    ggml_tensor * out = ggml_map_custom1(ctx, selected, llama_moe_vram_count_op, 1, (void *) &count_ops[li]);
+    ggml_format_name(out, "blk.%d.ffn_moe_cache_count", layers[li].il);
+    ggml_build_forward_expand(gf, out);
+}
+
 void llama_moe_vram::schedule(llama_moe_stream * stream) {
     const size_t first = res.moving.size();
     res.schedule();
+    if (prefill_seen) {
+        // the prefill warm-up: each layer's most used experts, most used first (ties: lower id)
+        for (size_t li = 0; li < layers.size(); ++li) {
+            auto & c = prefill_counts[li];
+            std::vector<int32_t> order;
+            for (int32_t e = 0; e < (int32_t) c.size(); ++e) {
+                if (c[e] > 0) {
+                    order.push_back(e);
+                }
+            }
+            std::stable_sort(order.begin(), order.end(), [&c](int32_t a, int32_t b) { return c[a] > c[b]; });
+            warmup_uploads += (uint64_t) res.warm(layers[li].ir, order, warmup);
+            std::fill(c.begin(), c.end(), 0);
+        }
+        prefill_seen = false;
+    }
     // the new moves, layer by layer (res.schedule appends them so); a layer's copies go projection by
     // projection, and each move is done once its layer's last copy is
     std::vector<llama_moe_copy> run;
@@ -255,6 +299,8 @@ void llama_moe_vram::get_stats(llama_moe_cache_stats & out) const {
     out.upload_file_bytes = uploader.file_bytes.load();
     out.upload_busy_us    = uploader.busy_us.load();
     out.n_publish         = n_h2d_tables;
+    out.warmup_uploads    = warmup_uploads;
+    out.warmup            = warmup;
 }
 
 void llama_moe_vram::print_summary() const {
@@ -275,12 +321,12 @@ void llama_moe_vram::print_summary() const {
     // waits; upload GB/s: the uploader's own rate while copying
     LLAMA_LOG("moe-cache: %.1f%% hit, resident %.1f MiB, uploads %llu (%.1f MiB), layer_demand %.2f MiB, "
             "token_demand %.2f MiB, steps %llu, upload wait %.1f ms, h2d %llu (%llu publishes), waits %llu, "
-            "upload %.2f GB/s, file %.1f MiB, %s\n",
+            "upload %.2f GB/s, file %.1f MiB, %s, warmup %llu\n",
             n ? 100.0*st.hits/n : 0.0, st.resident_bytes/1024.0/1024.0,
             (unsigned long long) st.uploads, st.upload_bytes/1024.0/1024.0, layer_demand, token_demand,
             (unsigned long long) st.n_steps, st.upload_wait_us/1000.0, (unsigned long long) st.n_h2d,
             (unsigned long long) st.n_publish, (unsigned long long) st.n_waits, st.upload_busy_us ? st.upload_bytes/1e3/st.upload_busy_us : 0.0,
-            st.upload_file_bytes/1024.0/1024.0, sync ? "sync" : "async");
+            st.upload_file_bytes/1024.0/1024.0, sync ? "sync" : "async", (unsigned long long) st.warmup_uploads);
 }
 
 //
@@ -359,6 +405,28 @@ int32_t llama_model_moe_cache_set_slots(llama_model * model, int32_t n_slots) {
     vram.publish();
     LLAMA_LOG("%s: moe-cache: %d slots/layer now\n", __func__, n_slots);
     return n_slots;
+}
+
+int32_t llama_model_moe_cache_set_warmup(llama_model * model, int32_t n_per_layer) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || !mc->vram.enabled() || n_per_layer < 0) {
+        LLAMA_LOG_ERROR("%s: moe-cache: warm-up %d refused: the cache is off, or the value is negative\n", __func__, n_per_layer);
+        return -1;
+    }
+    if (mc->n_busy.load() > 0) {
+        LLAMA_LOG_ERROR("%s: moe-cache: a graph is being computed; change the warm-up between generations\n", __func__);
+        return -2;
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    auto & vram = mc->vram;
+    vram.warmup = n_per_layer;
+    if (vram.count_ops.empty()) {
+        for (size_t li = 0; li < vram.layers.size(); ++li) {
+            vram.count_ops.push_back({ &vram, (int32_t) li });
+            vram.prefill_counts.emplace_back(vram.layers[li].n_expert, 0u);
+        }
+    }
+    return n_per_layer;
 }
 
 int32_t llama_model_moe_cache_set_sync(llama_model * model, bool sync) {

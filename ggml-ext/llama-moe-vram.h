@@ -101,6 +101,21 @@ struct llama_moe_vram {
 
     bool sync = false; // deterministic visibility (llama_model_moe_cache_set_sync)
 
+    // the prefill warm-up (llama_model_moe_cache_set_warmup): per cached layer, how often each expert
+    // was selected by batches the cache did not serve, counted by a graph op (graph_count)
+    int32_t warmup = 0;
+    std::vector<std::vector<uint32_t>> prefill_counts; // [layers][n_expert]
+    bool     prefill_seen   = false;                   // counts to act on after this step
+    uint64_t warmup_uploads = 0;
+    struct count_op {
+        llama_moe_vram * vram;
+        int32_t          li;
+    };
+    std::vector<count_op> count_ops; // the ops' user data, one per layer
+
+    // the op that counts `selected` (I32 [n_used, n_tokens]) for layer index li when warm-up is on
+    void graph_count(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * selected, int32_t li) const;
+
     uint64_t uploads        = 0;
     uint64_t upload_bytes   = 0;
     uint64_t upload_wait_us = 0;

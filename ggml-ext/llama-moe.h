@@ -37,6 +37,8 @@ struct llama_moe_cache_stats {
     uint64_t upload_file_bytes; // of upload_bytes, read from the GGUF file; the rest came from memory
     uint64_t upload_busy_us;  // time the uploader spent copying (its GB/s: upload_bytes / this)
     uint64_t n_publish;       // of n_h2d, table publishes (one per device per step that changed a table)
+    uint64_t warmup_uploads;  // of uploads scheduled, those the prefill warm-up started
+    int32_t  warmup;          // experts per layer the warm-up uploads after a prefill (0 = off)
 };
 
 // one device that holds slots (a buffer type: CUDA0, RPC0[host:port], ...)
@@ -107,6 +109,13 @@ LLAMA_API int32_t llama_model_moe_cache_set_slots(struct llama_model * model, in
 // and misses are a deterministic function of the routing (pybmoe simulate --policy layer-lru
 // replays them exactly). Returns 0, -1 when the cache is off, -2 while a graph is being computed.
 LLAMA_API int32_t llama_model_moe_cache_set_sync(struct llama_model * model, bool sync);
+
+// Prefill warm-up (--moe-expert-cache-warmup N): during a batch the cache does not serve (a prefill
+// larger than the max batch), each cached layer counts how often each expert is selected; after it,
+// the N most used experts of each layer that are not resident are uploaded (at most the staging
+// slots per layer per prefill ubatch), so decode does not start cold. 0 turns it off (the default).
+// Returns N, -1 when the cache is off or N < 0, -2 while a graph is being computed.
+LLAMA_API int32_t llama_model_moe_cache_set_warmup(struct llama_model * model, int32_t n_per_layer);
 
 // Totals over all cached layers. Returns false when the model has no cache.
 LLAMA_API bool llama_model_moe_cache_get_stats(const struct llama_model * model, struct llama_moe_cache_stats * out);

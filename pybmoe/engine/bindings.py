@@ -52,6 +52,8 @@ class MoeCacheStatsC(ctypes.Structure):
         ("upload_file_bytes", ctypes.c_uint64),
         ("upload_busy_us", ctypes.c_uint64),
         ("n_publish", ctypes.c_uint64),
+        ("warmup_uploads", ctypes.c_uint64),
+        ("warmup", ctypes.c_int32),
     ]
 
 
@@ -122,7 +124,8 @@ class MoeCacheStats:
     (merged upload runs + table publishes); waits: blocking waits; upload_file_mib: MiB of the
     uploads read from the GGUF (the rest came from memory: the map, a host buffer or the stream
     tier); upload_busy_s: seconds the uploader spent copying; publishes: of h2d, table publishes
-    (one per device per step that changed a table).
+    (one per device per step that changed a table); warmup: experts per layer the prefill warm-up
+    uploads (0 = off); warmup_uploads: uploads it scheduled.
     """
 
     hits: int
@@ -144,6 +147,8 @@ class MoeCacheStats:
     upload_file_mib: float = 0.0
     upload_busy_s: float = 0.0
     publishes: int = 0
+    warmup_uploads: int = 0
+    warmup: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -169,6 +174,8 @@ def _llama_lib() -> ctypes.CDLL:
         lib.llama_model_moe_cache_set_slots.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.llama_model_moe_cache_set_sync.argtypes = [ctypes.c_void_p, ctypes.c_bool]
         lib.llama_model_moe_cache_set_sync.restype = ctypes.c_int32
+        lib.llama_model_moe_cache_set_warmup.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.llama_model_moe_cache_set_warmup.restype = ctypes.c_int32
         lib.llama_model_moe_cache_set_slots.restype = ctypes.c_int32
         lib.llama_model_moe_cache_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeCacheStatsC)]
         lib.llama_model_moe_cache_get_stats.restype = ctypes.c_bool
@@ -363,6 +370,8 @@ class Llama(llama_cpp.Llama):
             memory minus the floor (MiB), else ValueError. Unlike ``llama-server``, ``auto`` here
             does not measure the context's KV and compute memory first: keep the floor above it.
         moe_expert_cache_inserts: uploads per layer per decode step (0 = unlimited).
+        moe_expert_cache_warmup: after a prefill the cache does not serve, upload each cached
+            layer's N most selected experts (``--moe-expert-cache-warmup N``; 0 = off, the default).
         moe_expert_cache_sync: deterministic upload visibility (``--moe-expert-cache-sync``): a miss
             at decode step s is resident from step s+2, each step waiting for the uploads of the one
             before. Off (the default), an upload is used from the first step after its bytes
@@ -391,6 +400,7 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str | os.PathLike, *, moe_expert_cache: int | str = 0,
                  moe_expert_cache_inserts: int = 0, moe_expert_cache_sync: bool = False,
+                 moe_expert_cache_warmup: int = 0,
                  moe_expert_cache_floor_mb: int = 1024, moe_expert_cache_ceil_mb: int = 0,
                  cpu_moe: bool = False, n_cpu_moe: int = 0,
                  override_tensor: str | Sequence[tuple[str, str]] | None = None,
@@ -400,6 +410,7 @@ class Llama(llama_cpp.Llama):
         self._stack = contextlib.ExitStack()  # llama_cpp's __del__ needs it even when we raise first
         slots = _check_count("moe_expert_cache", moe_expert_cache, allow_auto=True)
         inserts = _check_count("moe_expert_cache_inserts", moe_expert_cache_inserts)
+        warmup = _check_count("moe_expert_cache_warmup", moe_expert_cache_warmup)
         if not isinstance(moe_expert_cache_sync, bool):
             raise ValueError(f"moe_expert_cache_sync must be True or False, got {moe_expert_cache_sync!r}")
         floor_mb = _check_count("moe_expert_cache_floor_mb", moe_expert_cache_floor_mb)
@@ -474,6 +485,8 @@ class Llama(llama_cpp.Llama):
                                          "the engine's log, verbose=True, says which)")
                     if moe_expert_cache_sync:
                         lib.llama_model_moe_cache_set_sync(self.model, True)
+                    if warmup:
+                        lib.llama_model_moe_cache_set_warmup(self.model, warmup)
                     st = MoeCacheStatsC()
                     if _llama_lib().llama_model_moe_cache_get_stats(self.model, ctypes.byref(st)):
                         wrapper._moe_slots_allocated = st.n_slots
@@ -506,7 +519,8 @@ class Llama(llama_cpp.Llama):
         return MoeCacheStats(st.hits, st.misses, st.uploads, st.upload_bytes / mib, st.resident_bytes / mib,
                              st.alloc_bytes / mib, st.n_steps, st.n_layers, st.n_slots, st.n_inserts, st.n_expert,
                              st.n_expert_used, bool(st.sync), st.upload_wait_us / 1e6, st.n_h2d, st.n_waits,
-                             st.upload_file_bytes / mib, st.upload_busy_us / 1e6, st.n_publish)
+                             st.upload_file_bytes / mib, st.upload_busy_us / 1e6, st.n_publish, st.warmup_uploads,
+                             st.warmup)
 
     def moe_stream_stats(self) -> MoeStreamStats:
         """The stream tier's counters. Raises ValueError when the tier is off."""

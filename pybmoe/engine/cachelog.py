@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 _SUMMARY = re.compile(r"moe-cache: ([0-9.]+)% hit, resident ([0-9.]+) MiB, uploads (\d+) \(([0-9.]+) MiB\)"
                       r"(?:, layer_demand ([0-9.]+) MiB, token_demand ([0-9.]+) MiB, steps (\d+))?"
                       r"(?:, upload wait ([0-9.]+) ms, h2d (\d+) \((\d+) publishes\), waits (\d+), upload ([0-9.]+) GB/s, "
-                      r"file ([0-9.]+) MiB, (sync|async))?")
+                      r"file ([0-9.]+) MiB, (sync|async)(?:, warmup (\d+))?)?")
 _PREAMBLE = re.compile(r"moe-cache-preamble: (.*)$", re.M)
 _CLIFF = re.compile(r"moe-cache: WARNING (\d+) slots/layer is below the per-layer token cycle")
 
@@ -36,6 +36,7 @@ class CacheSummary:
     upload_gbps: float | None = None       # the uploader's rate while copying, GB/s
     upload_file_mib: float | None = None   # MiB of the uploads read from the GGUF file
     sync: bool | None = None               # --moe-expert-cache-sync
+    warmup_uploads: int | None = None      # uploads the prefill warm-up scheduled
 
     def without_timings(self) -> "CacheSummary":
         """The fields a deterministic run repeats exactly: the timings (upload wait, waits, which
@@ -48,11 +49,11 @@ def parse_cache_summaries(log: str) -> list[CacheSummary]:
     """Every summary line in a log, in order (one per freed context)."""
     out = []
     for m in _SUMMARY.finditer(log):
-        a, b, c, d, e, f, g, w, h, pub, n, r, fm, mode = m.groups()
+        a, b, c, d, e, f, g, w, h, pub, n, r, fm, mode, wu = m.groups()
         opt = lambda v, t: t(v) if v else None  # noqa: E731
         out.append(CacheSummary(float(a), float(b), int(c), float(d), opt(e, float), opt(f, float), opt(g, int),
                                 opt(w, float), opt(h, int), opt(pub, int), opt(n, int), opt(r, float),
-                                opt(fm, float), None if mode is None else mode == "sync"))
+                                opt(fm, float), None if mode is None else mode == "sync", opt(wu, int)))
     return out
 
 
@@ -117,7 +118,7 @@ def cache_record(log: str, metrics: str | None = None) -> dict:
                                     "slot_mib", "cache_cycle_mb", "layer_cycle_slots")}
     rec["budget_mib"] = sum(pre["budget_mib"].values()) if pre.get("budget_mib") else None
     for f in ("hit_pct", "resident_mib", "uploads", "upload_mib", "layer_demand_mib", "token_demand_mib", "steps",
-              "upload_wait_ms", "h2d", "publishes", "waits", "upload_gbps", "upload_file_mib", "sync"):
+              "upload_wait_ms", "h2d", "publishes", "waits", "upload_gbps", "upload_file_mib", "sync", "warmup_uploads"):
         rec[f] = getattr(last, f) if last else None
     rec["below_cycle"] = bool(_CLIFF.search(log))
     if metrics is not None:
