@@ -97,3 +97,35 @@ def test_a_bad_sync_value_is_refused_by_the_bindings(model_q8):
     from pybmoe.engine import bindings
     with pytest.raises(ValueError, match="moe_expert_cache_sync must be True or False"):
         bindings.Llama(model_q8, moe_expert_cache=4, moe_expert_cache_sync="yes")
+
+
+def _cuda_supports_op_case(src: str, op: str) -> str:
+    """The body of ``case GGML_OP_<op>:`` in ggml-cuda.cu's supports_op (up to the next op's case)."""
+    start = src.index("static bool ggml_backend_cuda_device_supports_op")
+    i = src.index(f"case GGML_OP_{op}:", start)
+    j = src.find("case GGML_OP_", i + len(op) + 12)
+    return src[i:j]
+
+
+def test_the_batch_remap_runs_on_the_device(model_q8, rpc, tmp_path):
+    """A batch's expert ids become slot ids with ops every GPU backend runs on the device: the
+    scheduler puts each remap node on the device (read from GGML_SCHED_DEBUG's assignments), there
+    is no I32 REPEAT any more, and the pinned CUDA backend's supports_op takes CONT and I32 GET_ROWS
+    (its REPEAT would not take I32: the node fell back to the CPU)."""
+    import os
+    from pybmoe.build import vendor
+    r = engine.run_logits(model_q8, tmp_path / "remap.bin",
+                          ["-b", "512", "-ub", "4", *engine.host_experts_args(rpc.endpoint), *engine.cache_args(4),
+                           "--moe-expert-cache-max-batch", "4", "-v"],
+                          prompt="one two three four five six seven", n_predict=2, ctx=256,
+                          env={**os.environ, "GGML_SCHED_DEBUG": "2"})
+    remap = [ln for ln in r.log.splitlines() if "(  GET_ROWS)" in ln and "ffn_exps.cache" in ln]
+    assert remap, "no GET_ROWS of a cache table in the graphs"
+    assert all("[RPC0[" in ln.split("use=")[0] for ln in remap), remap[:3]
+    conts = [ln for ln in r.log.splitlines() if "(      CONT)" in ln and "ffn_moe_topk" in ln]
+    assert conts and all("[RPC0[" in ln.split("use=")[0] for ln in conts), conts[:3]  # the multi-token graphs
+    assert not [ln for ln in r.log.splitlines() if "(    REPEAT)" in ln and "ffn_exps.cache" in ln]
+    src = (vendor.llama_cpp_dir() / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu").read_text()
+    assert "GGML_TYPE_I32" in _cuda_supports_op_case(src, "GET_ROWS")
+    assert "return true;" in _cuda_supports_op_case(src, "CONT")
+    assert "GGML_TYPE_I32" not in _cuda_supports_op_case(src, "REPEAT")
