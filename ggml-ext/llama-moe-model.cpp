@@ -112,7 +112,9 @@ void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_
 
 static void llama_moe_cache_step(llama_moe_cache * mc, ggml_backend_sched_t sched, const llama_ubatch * ubatch) {
     std::lock_guard<std::mutex> lock(mc->mutex);
-    ggml_backend_sched_synchronize(sched); // no graph in flight from here on
+    // note: no scheduler synchronize here. What this step reads (the observed routing, the trace's
+    // rows, the stream tier's hits) was written by CPU nodes, which have all run once the graph
+    // compute returns; only a table publish must wait for the device graph (it reads the tables)
 
     if (mc->replay.on()) {
         mc->replay.advance(ubatch->n_tokens);
@@ -142,6 +144,10 @@ static void llama_moe_cache_step(llama_moe_cache * mc, ggml_backend_sched_t sche
     }
 
     vram.settle();   // uploads started after the previous ubatch become visible now
+    if (vram.dirty()) {
+        ggml_backend_sched_synchronize(sched); // no graph reads the tables from here on
+        vram.n_syncs++;
+    }
     vram.publish();  // both copies of the tables change together
     vram.schedule(&mc->stream); // into free slots, which no table entry points at; copied while the next graph runs
 }

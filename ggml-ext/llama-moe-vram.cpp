@@ -129,6 +129,15 @@ void llama_moe_vram::settle(bool all) {
     tickets.erase(tickets.begin(), tickets.begin() + (ptrdiff_t) n);
 }
 
+bool llama_moe_vram::dirty() const {
+    for (const auto & r : res.layers) {
+        if (r.dirty) {
+            return true;
+        }
+    }
+    return false;
+}
+
 void llama_moe_vram::publish() {
     for (const auto & l : layers) {
         auto & r = res.layers[l.ir];
@@ -301,6 +310,7 @@ void llama_moe_vram::get_stats(llama_moe_cache_stats & out) const {
     out.n_publish         = n_h2d_tables;
     out.warmup_uploads    = warmup_uploads;
     out.warmup            = warmup;
+    out.n_syncs           = n_syncs;
 }
 
 void llama_moe_vram::print_summary() const {

@@ -121,6 +121,10 @@ struct llama_moe_vram {
     uint64_t upload_wait_us = 0;
     uint64_t n_waits        = 0;
     uint64_t n_h2d_tables   = 0; // table publishes (the uploader counts its own calls)
+    uint64_t n_syncs        = 0; // scheduler synchronizes before a publish (none when no table changes)
+
+    // a table changed since the last publish
+    bool dirty() const;
 
     std::vector<uint64_t> tickets; // per res.moving entry: done once uploader.done() reaches it
 

@@ -39,6 +39,7 @@ struct llama_moe_cache_stats {
     uint64_t n_publish;       // of n_h2d, table publishes (one per device per step that changed a table)
     uint64_t warmup_uploads;  // of uploads scheduled, those the prefill warm-up started
     int32_t  warmup;          // experts per layer the warm-up uploads after a prefill (0 = off)
+    uint64_t n_syncs;         // scheduler synchronizes the cache waited on: only before a step that changes a table
 };
 
 // one device that holds slots (a buffer type: CUDA0, RPC0[host:port], ...)

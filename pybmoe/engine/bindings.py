@@ -54,6 +54,7 @@ class MoeCacheStatsC(ctypes.Structure):
         ("n_publish", ctypes.c_uint64),
         ("warmup_uploads", ctypes.c_uint64),
         ("warmup", ctypes.c_int32),
+        ("n_syncs", ctypes.c_uint64),
     ]
 
 
@@ -125,7 +126,8 @@ class MoeCacheStats:
     uploads read from the GGUF (the rest came from memory: the map, a host buffer or the stream
     tier); upload_busy_s: seconds the uploader spent copying; publishes: of h2d, table publishes
     (one per device per step that changed a table); warmup: experts per layer the prefill warm-up
-    uploads (0 = off); warmup_uploads: uploads it scheduled.
+    uploads (0 = off); warmup_uploads: uploads it scheduled; syncs: scheduler synchronizes the
+    cache waited on (only before a step that changes a table).
     """
 
     hits: int
@@ -149,6 +151,7 @@ class MoeCacheStats:
     publishes: int = 0
     warmup_uploads: int = 0
     warmup: int = 0
+    syncs: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -520,7 +523,7 @@ class Llama(llama_cpp.Llama):
                              st.alloc_bytes / mib, st.n_steps, st.n_layers, st.n_slots, st.n_inserts, st.n_expert,
                              st.n_expert_used, bool(st.sync), st.upload_wait_us / 1e6, st.n_h2d, st.n_waits,
                              st.upload_file_bytes / mib, st.upload_busy_us / 1e6, st.n_publish, st.warmup_uploads,
-                             st.warmup)
+                             st.warmup, st.n_syncs)
 
     def moe_stream_stats(self) -> MoeStreamStats:
         """The stream tier's counters. Raises ValueError when the tier is off."""

@@ -129,3 +129,19 @@ def test_the_batch_remap_runs_on_the_device(model_q8, rpc, tmp_path):
     assert "GGML_TYPE_I32" in _cuda_supports_op_case(src, "GET_ROWS")
     assert "return true;" in _cuda_supports_op_case(src, "CONT")
     assert "GGML_TYPE_I32" not in _cuda_supports_op_case(src, "REPEAT")
+
+
+def test_no_scheduler_synchronize_when_no_table_changes(model_q8, rpc):
+    """The step after a graph waits for the device only before it publishes a changed table: once
+    the cache holds what decode needs, steps go by without one."""
+    from pybmoe.engine import bindings
+    llm = bindings.Llama(model_q8, rpc_servers=rpc.endpoint, n_gpu_layers=99, cpu_moe=True, repack=False,
+                         moe_expert_cache=12, n_ctx=256, verbose=False)
+    try:
+        llm("one two three one two three one two three", max_tokens=48, temperature=0)
+        st = llm.moe_cache_stats()
+    finally:
+        llm.close()
+    assert st.steps >= 40 and st.uploads > 0
+    assert 0 < st.syncs < st.steps, st
+    assert st.publishes <= st.syncs + 1  # every publish after the one at load followed a synchronize
