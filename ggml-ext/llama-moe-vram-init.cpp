@@ -28,10 +28,22 @@ struct llama_moe_fit_request {
 };
 static thread_local llama_moe_fit_request g_llama_moe_fit;
 
-// the CUDA backend, also built for AMD GPUs (HIP: buffer types named ROCm*)
+// the CUDA backend family, by the backend that owns the device (its registry name is GGML_CUDA_NAME:
+// "CUDA", "ROCm" when built for AMD GPUs with HIP, "MUSA" for Moore Threads GPUs), not by a buffer
+// type name prefix, which a MUSA device does not share
 static bool llama_moe_is_cuda(ggml_backend_buffer_type_t buft) {
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    const char * name = reg ? ggml_backend_reg_name(reg) : "";
+    return strcmp(name, "CUDA") == 0 || strcmp(name, "ROCm") == 0 || strcmp(name, "MUSA") == 0;
+}
+
+// a buffer type that spreads one tensor over several devices: SYCL's row split (-sm row, named
+// "<backend>_Split") or the meta backend's ("Meta(CUDA0,CUDA1)"). Slots are written per expert at an
+// offset, which such a buffer cannot take (ggml-sycl asserts offset 0 on its first upload)
+static bool llama_moe_buft_is_split(ggml_backend_buffer_type_t buft) {
     const char * name = ggml_backend_buft_name(buft);
-    return strncmp(name, "CUDA", 4) == 0 || strncmp(name, "ROCm", 4) == 0;
+    return strncmp(name, "Meta(", 5) == 0 || strstr(name, "_Split") != nullptr;
 }
 
 static bool llama_moe_buft_is_host(ggml_backend_buffer_type_t buft) {
@@ -84,6 +96,12 @@ static std::map<ggml_backend_buffer_type_t, std::vector<int>> llama_moe_vram_sel
                     ggml_backend_buft_name(rbuft))].push_back(il);
             continue;
         }
+        if (llama_moe_buft_is_split(rbuft)) {
+            not_cached[format("the router ffn_gate_inp is in %s, a buffer type split over several devices (-sm row "
+                    "or tensor parallelism), and the cache allocates its slots per device; use -sm layer",
+                    ggml_backend_buft_name(rbuft))].push_back(il);
+            continue;
+        }
         if (llama_moe_is_cuda(rbuft)) {
             bool quantized = true;
             for (int p = 0; p < n_proj; ++p) {
@@ -110,7 +128,7 @@ static std::map<ggml_backend_buffer_type_t, std::vector<int>> llama_moe_vram_sel
             // host memory that belongs to another device: without mmap (--load-mode none), llama.cpp's
             // CPU buffer list puts CPU weights in the first GPU's pinned host buffer (CUDA_Host,
             // Vulkan_Host, ...); the cache serves them all the same (the host chain reads host memory,
-            // uploads read the GGUF), but it is not the plain CPU buffer that --cpu-moe / -ot exps=CPU
+            // uploads copy from it), but it is not the plain CPU buffer that --cpu-moe / -ot exps=CPU
             // suggest: say so
             pinned[format("%s, the pinned host memory of %s", ggml_backend_buft_name(ebuft),
                     ggml_backend_dev_name(edev))].push_back(il);
