@@ -182,7 +182,7 @@ void llama_moe_vram::graph_count(ggml_context * ctx, ggml_cgraph * gf, ggml_tens
         return;
     }
     // note: the op writes only the model's counters (its output is a dummy); the CPU runs it
-    ggml_tensor * out = ggml_map_custom1(ctx, selected, llama_moe_vram_count_op, 1, (void *) &count_ops[li]);
+    ggml_tensor * out = ggml_map_custom1(ctx, selected, llama_moe_vram_count_op, 1, const_cast<count_op *>(&count_ops[li]));
     ggml_format_name(out, "blk.%d.ffn_moe_cache_count", layers[li].il);
     ggml_build_forward_expand(gf, out);
 }
