@@ -126,6 +126,27 @@ void llama_moe_residency::settle(size_t n_done) {
     moving.erase(moving.begin(), moving.begin() + (ptrdiff_t) n_done);
 }
 
+int llama_moe_residency::start_move(int32_t il, int32_t e, int32_t & p) {
+    auto & l = layers[il];
+    if (l.is_resident(e)) {
+        return 0; // became resident at this settle (an earlier miss of the same expert)
+    }
+    if (std::find(l.slot_expert.begin(), l.slot_expert.end(), e) != l.slot_expert.end()) {
+        return 0; // still moving from an earlier step (the default mode does not wait for it)
+    }
+    // moves go to free slots only: residents keep serving while they are written
+    while (p < l.n_phys && l.slot_state[p] != LLAMA_MOE_SLOT_FREE) {
+        p++;
+    }
+    if (p == l.n_phys) {
+        return -1;
+    }
+    l.slot_state[p]  = LLAMA_MOE_SLOT_MOVING;
+    l.slot_expert[p] = e;
+    moving.push_back({ il, e, p });
+    return 1;
+}
+
 void llama_moe_residency::schedule() {
     for (int32_t il = 0; il < (int32_t) layers.size(); ++il) {
         auto & l = layers[il];
@@ -138,23 +159,11 @@ void llama_moe_residency::schedule() {
             if (budget == 0) {
                 break;
             }
-            if (l.is_resident(e)) {
-                continue; // became resident at this settle (an earlier miss of the same expert)
-            }
-            if (std::find(l.slot_expert.begin(), l.slot_expert.end(), e) != l.slot_expert.end()) {
-                continue; // still moving from an earlier step (the default mode does not wait for it)
-            }
-            // moves go to free slots only: residents keep serving while they are written
-            while (p < l.n_phys && l.slot_state[p] != LLAMA_MOE_SLOT_FREE) {
-                p++;
-            }
-            if (p == l.n_phys) {
+            const int r = start_move(il, e, p);
+            if (r < 0) {
                 break;
             }
-            l.slot_state[p]  = LLAMA_MOE_SLOT_MOVING;
-            l.slot_expert[p] = e;
-            moving.push_back({ il, e, p });
-            budget--;
+            budget -= r;
         }
         l.misses_now.clear();
     }
@@ -172,20 +181,14 @@ int32_t llama_moe_residency::warm(int32_t il, const std::vector<int32_t> & exper
             break;
         }
         LLAMA_MOE_RES_ASSERT(e >= 0 && e < l.n_expert);
-        if (l.is_resident(e) || std::find(l.slot_expert.begin(), l.slot_expert.end(), e) != l.slot_expert.end()) {
-            continue;
-        }
-        while (p < l.n_phys && l.slot_state[p] != LLAMA_MOE_SLOT_FREE) {
-            p++;
-        }
-        if (p == l.n_phys) {
+        const int r = start_move(il, e, p);
+        if (r < 0) {
             break;
         }
-        l.slot_state[p]  = LLAMA_MOE_SLOT_MOVING;
-        l.slot_expert[p] = e;
-        l.used[e] = step;
-        moving.push_back({ il, e, p });
-        done++;
+        if (r > 0) {
+            l.used[e] = step;
+            done++;
+        }
     }
     return done;
 }

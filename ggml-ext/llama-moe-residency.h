@@ -115,6 +115,11 @@ struct llama_moe_residency {
     int32_t lru_victim(int32_t il, uint64_t used_before) const;
 
     void evict(int32_t il, int32_t slot);
+
+private:
+    // expert e of layer il into the first free slot at or after p (p advances): 1 when a move
+    // starts, 0 when e is resident or already moving, -1 when no slot is free
+    int start_move(int32_t il, int32_t e, int32_t & p);
 };
 
 // One LRU over the (layer, expert) entries of all streamed layers (the stream tier, the RAM expert
