@@ -309,8 +309,20 @@ static bool llama_moe_vram_alloc(llama_model & model, llama_moe_cache & mc, ggml
     vram.alloc_bytes += size;
     budgets += format("%s%s:%.2f", budgets.empty() ? "" : ",", ggml_backend_buft_name(buft), size/1024.0/1024.0);
     vram.devices.push_back({ ggml_backend_buft_name(buft), (int64_t) dev_slots * (int64_t) ils.size(), size });
-    LLAMA_LOG_INFO("%s: moe-cache: %8.2f MiB of expert slots for %zu layers in %s\n", __func__,
-            size/1024.0/1024.0, ils.size(), ggml_backend_buft_name(buft));
+    // what the bytes are: resident slots, staging slots (uploads land there), the zero slot, and the rest
+    // (the id->slot table and the bias copies, plus alignment)
+    double slots_b = 0.0, stage_b = 0.0, zero_b = 0.0;
+    for (size_t li = vram.layers.size() - ils.size(); li < vram.layers.size(); ++li) {
+        const double e = (double) vram.layers[li].expert_bytes();
+        slots_b += e * dev_slots;
+        stage_b += e * n_stage;
+        zero_b  += e;
+    }
+    const double mib = 1024.0 * 1024.0;
+    LLAMA_LOG_INFO("%s: moe-cache: %8.2f MiB of expert slots for %zu layers in %s: %.2f MiB resident slots (%d/layer), "
+            "%.2f MiB staging (%d/layer), %.2f MiB zero slot, %.2f MiB tables and bias copies\n", __func__,
+            size/mib, ils.size(), ggml_backend_buft_name(buft), slots_b/mib, dev_slots, stage_b/mib, n_stage, zero_b/mib,
+            std::max(0.0, size - slots_b - stage_b - zero_b)/mib);
     held.emplace_back(std::move(ctx), ggml_backend_buffer_ptr(buf));
     return true;
 }
@@ -545,7 +557,8 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     for (const auto & l : vram.layers) {
         cycle_mib += (double) l.expert_bytes() * std::min(l.n_used, l.n_expert) / 1024.0 / 1024.0;
     }
-    LLAMA_LOG("moe-cache-preamble: layers=%zu n_expert=%d top_k=%d slots=%d staging=%d inserts=%d max_batch=%d "
+    // slots, staging and the zero slot per layer, separately: staging and zero never hold residents
+    LLAMA_LOG("moe-cache-preamble: layers=%zu n_expert=%d top_k=%d slots=%d staging=%d zero=1 inserts=%d max_batch=%d "
             "slot_mib=%.4f budget_mib=%s cache_cycle_mb=%.2f layer_cycle_slots=%d\n", vram.layers.size(), n_expert, n_used,
             n_slots, n_stage, n_inserts, mc->max_batch, l0.expert_bytes()/1024.0/1024.0, budgets.c_str(), cycle_mib, n_used);
     if (n_slots_min < n_used) {

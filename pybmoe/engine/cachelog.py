@@ -60,7 +60,8 @@ def parse_cache_summaries(log: str) -> list[CacheSummary]:
 def parse_cache_preamble(log: str) -> dict | None:
     """The ``moe-cache-preamble:`` line printed at load, as a dict (None when absent).
 
-    Keys: layers, n_expert, top_k, slots, staging, inserts (counts), max_batch (tokens: the largest
+    Keys: layers, n_expert, top_k, slots, staging, zero (slots per layer: resident, staging, the zero
+    slot), inserts (counts), max_batch (tokens: the largest
     ubatch the cache serves), slot_mib (MiB per expert),
     budget_mib ({buffer type: MiB}), cache_cycle_mb (MiB one token needs in the worst case),
     layer_cycle_slots (slots one layer needs to keep one token's experts).
@@ -114,7 +115,7 @@ def cache_record(log: str, metrics: str | None = None) -> dict:
     pre = parse_cache_preamble(log) or {}
     sums = parse_cache_summaries(log)
     last = sums[-1] if sums else None
-    rec = {k: pre.get(k) for k in ("layers", "n_expert", "top_k", "slots", "staging", "inserts", "max_batch",
+    rec = {k: pre.get(k) for k in ("layers", "n_expert", "top_k", "slots", "staging", "zero", "inserts", "max_batch",
                                     "slot_mib", "cache_cycle_mb", "layer_cycle_slots")}
     rec["budget_mib"] = sum(pre["budget_mib"].values()) if pre.get("budget_mib") else None
     for f in ("hit_pct", "resident_mib", "uploads", "upload_mib", "layer_demand_mib", "token_demand_mib", "steps",

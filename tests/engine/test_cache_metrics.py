@@ -212,3 +212,23 @@ def test_server_metrics_while_sleeping_keep_the_cache_counters(model_q8, rpc):
     srv.stop()
     assert awake["llamacpp:moe_cache_hits_total"] + awake["llamacpp:moe_cache_misses_total"] > 0
     assert asleep == awake
+
+
+def test_the_memory_line_and_the_preamble_show_slots_staging_and_zero_apart(model_q8, rpc, tmp_path):
+    """Staging and the zero slot never hold residents: the load says what each costs."""
+    import re
+    r = _run_args(model_q8, rpc, tmp_path, [*engine.cache_args(8), "-v"])  # -v: the INFO memory line
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = r.stdout + r.stderr
+    m = re.search(r"moe-cache:\s+([\d.]+) MiB of expert slots for 4 layers in \S+: ([\d.]+) MiB resident slots \(8/layer\), "
+                  r"([\d.]+) MiB staging \(4/layer\), ([\d.]+) MiB zero slot, ([\d.]+) MiB tables and bias copies", log)
+    assert m, log[-3000:]
+    total, slots, staging, zero, rest = map(float, m.groups())
+    spec = models.read_spec(model_q8)
+    slot_mib = engine.cache_record(log)["slot_mib"]
+    assert slots == pytest.approx(8 * spec.n_layer * slot_mib, abs=0.01)
+    assert staging == pytest.approx(4 * spec.n_layer * slot_mib, abs=0.01)
+    assert zero == pytest.approx(spec.n_layer * slot_mib, abs=0.01)
+    assert slots + staging + zero + rest == pytest.approx(total, abs=0.02) and rest < 1
+    rec = engine.cache_record(log)
+    assert (rec["slots"], rec["staging"], rec["zero"]) == (8, 4, 1)
