@@ -148,7 +148,12 @@ int llama_moe_residency::start_move(int32_t il, int32_t e, int32_t & p) {
 }
 
 void llama_moe_residency::schedule() {
-    for (int32_t il = 0; il < (int32_t) layers.size(); ++il) {
+    const int32_t n_layers = (int32_t) layers.size();
+    moves_left = n_step_moves > 0 ? n_step_moves : INT32_MAX;
+    // with an upload budget the layers take turns at going first, so none is starved
+    const int32_t first = n_step_moves > 0 && n_layers > 0 ? (int32_t) (step % (uint64_t) n_layers) : 0;
+    for (int32_t k = 0; k < n_layers; ++k) {
+        const int32_t il = (first + k) % n_layers;
         auto & l = layers[il];
         int32_t budget = n_inserts > 0 ? n_inserts : l.n_expert;
         if (l.n_slots == 0) {
@@ -156,7 +161,7 @@ void llama_moe_residency::schedule() {
         }
         int32_t p = 0;
         for (int32_t e : l.misses_now) {
-            if (budget == 0) {
+            if (budget == 0 || moves_left == 0) {
                 break;
             }
             const int r = start_move(il, e, p);
@@ -164,6 +169,7 @@ void llama_moe_residency::schedule() {
                 break;
             }
             budget -= r;
+            moves_left -= r;
         }
         l.misses_now.clear();
     }
@@ -177,7 +183,7 @@ int32_t llama_moe_residency::warm(int32_t il, const std::vector<int32_t> & exper
     int32_t done = 0;
     int32_t p = 0;
     for (int32_t e : experts) {
-        if (done == n) {
+        if (done == n || moves_left == 0) {
             break;
         }
         LLAMA_MOE_RES_ASSERT(e >= 0 && e < l.n_expert);
@@ -188,6 +194,7 @@ int32_t llama_moe_residency::warm(int32_t il, const std::vector<int32_t> & exper
         if (r > 0) {
             l.used[e] = step;
             done++;
+            moves_left--;
         }
     }
     return done;

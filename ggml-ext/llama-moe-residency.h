@@ -71,6 +71,8 @@ struct llama_moe_residency {
     std::vector<llama_moe_residency_layer> layers;
 
     int32_t  n_inserts = 0;  // moves per layer per step (0 = unlimited)
+    int32_t  n_step_moves = 0; // moves per step over all layers, the upload budget (0 = unlimited); the
+                               // layers take it in turn, starting one layer further each step
     uint64_t step      = 1;  // the current step; 0 in `used` means never
     uint64_t n_steps   = 0;  // ubatches with at least one served layer
 
@@ -97,14 +99,18 @@ struct llama_moe_residency {
     void settle(size_t n_done = SIZE_MAX);
 
     // the misses of the last served step become moves into free slots, at most the insert cap per
-    // layer and never more than the free slots; an expert already moving is not moved twice;
-    // appends to `moving`
+    // layer, the upload budget per step (n_step_moves) and never more than the free slots; an
+    // expert already moving is not moved twice; appends to `moving`
     void schedule();
 
     // the prefill warm-up: up to n of `experts` (most used first) that are neither resident nor
     // moving become moves into free slots of layer il, marked used at the current step so that the
     // next settle keeps them over older residents; returns the moves scheduled (appended to `moving`)
     int32_t warm(int32_t il, const std::vector<int32_t> & experts, int32_t n);
+
+    // moves the upload budget still allows this step (INT32_MAX without a budget); schedule and warm
+    // take from it
+    int32_t moves_left = INT32_MAX;
 
     // sets the residents per layer to min(n_slots, n_cap); a shrink evicts the least recently used
     // at once. Call with nothing moving (settle first).

@@ -311,6 +311,7 @@ void llama_moe_vram::get_stats(llama_moe_cache_stats & out) const {
     out.warmup_uploads    = warmup_uploads;
     out.warmup            = warmup;
     out.n_syncs           = n_syncs;
+    out.n_step_moves      = res.n_step_moves;
 }
 
 void llama_moe_vram::print_summary() const {
@@ -437,6 +438,33 @@ int32_t llama_model_moe_cache_set_warmup(llama_model * model, int32_t n_per_laye
         }
     }
     return n_per_layer;
+}
+
+int32_t llama_model_moe_cache_set_upload_budget_mib(llama_model * model, int32_t budget_mib) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || !mc->vram.enabled()) {
+        LLAMA_LOG_ERROR("%s: moe-cache: the cache is off\n", __func__);
+        return -1;
+    }
+    size_t expert = 0;
+    for (const auto & l : mc->vram.layers) {
+        expert = std::max(expert, l.expert_bytes());
+    }
+    const int64_t n = budget_mib > 0 ? ((int64_t) budget_mib << 20) / (int64_t) expert : 0;
+    if (budget_mib < 0 || (budget_mib > 0 && n < 1)) {
+        LLAMA_LOG_ERROR("%s: moe-cache: upload budget %d MiB refused: it must be 0 (unlimited) or at least one expert "
+                "(%.2f MiB)\n", __func__, budget_mib, expert/1024.0/1024.0);
+        return -1;
+    }
+    if (mc->n_busy.load() > 0) {
+        LLAMA_LOG_ERROR("%s: moe-cache: a graph is being computed; change the upload budget between generations\n", __func__);
+        return -2;
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    mc->vram.res.n_step_moves = (int32_t) std::min<int64_t>(n, INT32_MAX);
+    LLAMA_LOG_INFO("%s: moe-cache: upload budget %d MiB per step: %lld experts of %.2f MiB\n", __func__, budget_mib,
+            (long long) n, expert/1024.0/1024.0);
+    return (int32_t) n;
 }
 
 int32_t llama_model_moe_cache_set_sync(llama_model * model, bool sync) {

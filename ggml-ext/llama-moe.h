@@ -40,6 +40,7 @@ struct llama_moe_cache_stats {
     uint64_t warmup_uploads;  // of uploads scheduled, those the prefill warm-up started
     int32_t  warmup;          // experts per layer the warm-up uploads after a prefill (0 = off)
     uint64_t n_syncs;         // scheduler synchronizes the cache waited on: only before a step that changes a table
+    int32_t  n_step_moves;    // the upload budget: uploads per step over all layers (0 = unlimited)
 };
 
 // one device that holds slots (a buffer type: CUDA0, RPC0[host:port], ...)
@@ -117,6 +118,12 @@ LLAMA_API int32_t llama_model_moe_cache_set_sync(struct llama_model * model, boo
 // slots per layer per prefill ubatch), so decode does not start cold. 0 turns it off (the default).
 // Returns N, -1 when the cache is off or N < 0, -2 while a graph is being computed.
 LLAMA_API int32_t llama_model_moe_cache_set_warmup(struct llama_model * model, int32_t n_per_layer);
+
+// The upload budget: at most budget_mib MiB of expert uploads per step over all layers (beside the
+// per-layer insert cap), i.e. floor(budget_mib / expert MiB) experts; the layers take turns at going
+// first. 0 = unlimited (the default). Returns the experts per step, -1 when the cache is off or the
+// budget is negative or under one expert, -2 while a graph is being computed.
+LLAMA_API int32_t llama_model_moe_cache_set_upload_budget_mib(struct llama_model * model, int32_t budget_mib);
 
 // Totals over all cached layers. Returns false when the model has no cache.
 LLAMA_API bool llama_model_moe_cache_get_stats(const struct llama_model * model, struct llama_moe_cache_stats * out);

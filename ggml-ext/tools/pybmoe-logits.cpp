@@ -74,7 +74,7 @@ int main(int argc, char ** argv) {
         PYBMOE_OFF(n_slots); PYBMOE_OFF(n_inserts); PYBMOE_OFF(n_expert); PYBMOE_OFF(n_expert_used);
         PYBMOE_OFF(sync); PYBMOE_OFF(upload_wait_us); PYBMOE_OFF(n_h2d); PYBMOE_OFF(n_waits);
         PYBMOE_OFF(upload_file_bytes); PYBMOE_OFF(upload_busy_us); PYBMOE_OFF(n_publish);
-        PYBMOE_OFF(warmup_uploads); PYBMOE_OFF(warmup); PYBMOE_OFF(n_syncs);
+        PYBMOE_OFF(warmup_uploads); PYBMOE_OFF(warmup); PYBMOE_OFF(n_syncs); PYBMOE_OFF(n_step_moves);
 #undef PYBMOE_OFF
         printf("\n");
         return 0;

@@ -55,6 +55,7 @@ class MoeCacheStatsC(ctypes.Structure):
         ("warmup_uploads", ctypes.c_uint64),
         ("warmup", ctypes.c_int32),
         ("n_syncs", ctypes.c_uint64),
+        ("n_step_moves", ctypes.c_int32),
     ]
 
 
@@ -127,7 +128,8 @@ class MoeCacheStats:
     tier); upload_busy_s: seconds the uploader spent copying; publishes: of h2d, table publishes
     (one per device per step that changed a table); warmup: experts per layer the prefill warm-up
     uploads (0 = off); warmup_uploads: uploads it scheduled; syncs: scheduler synchronizes the
-    cache waited on (only before a step that changes a table).
+    cache waited on (only before a step that changes a table); step_moves: the upload budget in
+    experts per step (0 = unlimited).
     """
 
     hits: int
@@ -152,6 +154,7 @@ class MoeCacheStats:
     warmup_uploads: int = 0
     warmup: int = 0
     syncs: int = 0
+    step_moves: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -179,6 +182,8 @@ def _llama_lib() -> ctypes.CDLL:
         lib.llama_model_moe_cache_set_sync.restype = ctypes.c_int32
         lib.llama_model_moe_cache_set_warmup.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.llama_model_moe_cache_set_warmup.restype = ctypes.c_int32
+        lib.llama_model_moe_cache_set_upload_budget_mib.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.llama_model_moe_cache_set_upload_budget_mib.restype = ctypes.c_int32
         lib.llama_model_moe_cache_set_slots.restype = ctypes.c_int32
         lib.llama_model_moe_cache_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeCacheStatsC)]
         lib.llama_model_moe_cache_get_stats.restype = ctypes.c_bool
@@ -373,6 +378,9 @@ class Llama(llama_cpp.Llama):
             memory minus the floor (MiB), else ValueError. Unlike ``llama-server``, ``auto`` here
             does not measure the context's KV and compute memory first: keep the floor above it.
         moe_expert_cache_inserts: uploads per layer per decode step (0 = unlimited).
+        moe_expert_cache_upload_mb: the upload budget, MiB of expert uploads per decode step over
+            all layers (``--moe-expert-cache-upload-mb``; 0 = unlimited, the default); under one
+            expert is a ValueError.
         moe_expert_cache_warmup: after a prefill the cache does not serve, upload each cached
             layer's N most selected experts (``--moe-expert-cache-warmup N``; 0 = off, the default).
         moe_expert_cache_sync: deterministic upload visibility (``--moe-expert-cache-sync``): a miss
@@ -403,7 +411,7 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str | os.PathLike, *, moe_expert_cache: int | str = 0,
                  moe_expert_cache_inserts: int = 0, moe_expert_cache_sync: bool = False,
-                 moe_expert_cache_warmup: int = 0,
+                 moe_expert_cache_warmup: int = 0, moe_expert_cache_upload_mb: int = 0,
                  moe_expert_cache_floor_mb: int = 1024, moe_expert_cache_ceil_mb: int = 0,
                  cpu_moe: bool = False, n_cpu_moe: int = 0,
                  override_tensor: str | Sequence[tuple[str, str]] | None = None,
@@ -414,6 +422,7 @@ class Llama(llama_cpp.Llama):
         slots = _check_count("moe_expert_cache", moe_expert_cache, allow_auto=True)
         inserts = _check_count("moe_expert_cache_inserts", moe_expert_cache_inserts)
         warmup = _check_count("moe_expert_cache_warmup", moe_expert_cache_warmup)
+        upload_mb = _check_count("moe_expert_cache_upload_mb", moe_expert_cache_upload_mb)
         if not isinstance(moe_expert_cache_sync, bool):
             raise ValueError(f"moe_expert_cache_sync must be True or False, got {moe_expert_cache_sync!r}")
         floor_mb = _check_count("moe_expert_cache_floor_mb", moe_expert_cache_floor_mb)
@@ -490,6 +499,10 @@ class Llama(llama_cpp.Llama):
                         lib.llama_model_moe_cache_set_sync(self.model, True)
                     if warmup:
                         lib.llama_model_moe_cache_set_warmup(self.model, warmup)
+                    if upload_mb and lib.llama_model_moe_cache_set_upload_budget_mib(self.model, upload_mb) < 0:
+                        self.close()
+                        raise ValueError(f"moe_expert_cache_upload_mb={upload_mb} is under one expert (the engine's "
+                                         "log gives its MiB)")
                     st = MoeCacheStatsC()
                     if _llama_lib().llama_model_moe_cache_get_stats(self.model, ctypes.byref(st)):
                         wrapper._moe_slots_allocated = st.n_slots
@@ -523,7 +536,7 @@ class Llama(llama_cpp.Llama):
                              st.alloc_bytes / mib, st.n_steps, st.n_layers, st.n_slots, st.n_inserts, st.n_expert,
                              st.n_expert_used, bool(st.sync), st.upload_wait_us / 1e6, st.n_h2d, st.n_waits,
                              st.upload_file_bytes / mib, st.upload_busy_us / 1e6, st.n_publish, st.warmup_uploads,
-                             st.warmup, st.n_syncs)
+                             st.warmup, st.n_syncs, st.n_step_moves)
 
     def moe_stream_stats(self) -> MoeStreamStats:
         """The stream tier's counters. Raises ValueError when the tier is off."""

@@ -145,3 +145,41 @@ def test_no_scheduler_synchronize_when_no_table_changes(model_q8, rpc):
     assert st.steps >= 40 and st.uploads > 0
     assert 0 < st.syncs < st.steps, st
     assert st.publishes <= st.syncs + 1  # every publish after the one at load followed a synchronize
+
+
+def test_the_upload_budget_bounds_uploads_per_step(model_q8, rpc, tmp_path):
+    """--moe-expert-cache-upload-mb 1: at most floor(1 MiB / 0.1992 MiB) = 5 experts per step over all
+    layers (against up to 4 layers x 4 without it), and the output stays exact."""
+    base = _run(model_q8, rpc, tmp_path, 1, [], "off")
+    free = _run(model_q8, rpc, tmp_path, 1, [*engine.cache_args(4, sync=True), "-v"], "unbudgeted")
+    r = _run(model_q8, rpc, tmp_path, 1, [*engine.cache_args(4, sync=True), "--moe-expert-cache-upload-mb", "1", "-v"],
+             "budget")
+    assert r.logits == base.logits
+    assert "upload budget 1 MiB per step: 5 experts of 0.20 MiB" in r.log
+    s, s_free = engine.parse_cache_summaries(r.log)[-1], engine.parse_cache_summaries(free.log)[-1]
+    assert s.uploads <= 5 * s.steps and s.uploads > 0
+    assert s_free.uploads > s.uploads
+
+
+def test_an_upload_budget_under_one_expert_is_refused(rpc, tmp_path):
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", n_layer=2, n_expert=8, n_expert_used=2,
+                                                      n_embd=1024, n_ff_exp=1024))
+    with pytest.raises(engine.EngineError) as e:
+        _run(model, rpc, tmp_path, 1, [*engine.cache_args(4), "--moe-expert-cache-upload-mb", "2"], "under")
+    assert "upload budget 2 MiB refused: it must be 0 (unlimited) or at least one expert (3.19 MiB)" in str(e.value)
+    assert "--moe-expert-cache-upload-mb 2 is under one expert" in str(e.value)
+
+
+def test_the_bindings_refuse_an_upload_budget_under_one_expert(rpc):
+    from pybmoe.engine import bindings
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", n_layer=2, n_expert=8, n_expert_used=2,
+                                                      n_embd=1024, n_ff_exp=1024))
+    with pytest.raises(ValueError, match="moe_expert_cache_upload_mb=2 is under one expert"):
+        bindings.Llama(model, rpc_servers=rpc.endpoint, n_gpu_layers=99, cpu_moe=True, repack=False, verbose=False,
+                       moe_expert_cache=4, moe_expert_cache_upload_mb=2)
+    llm = bindings.Llama(model, rpc_servers=rpc.endpoint, n_gpu_layers=99, cpu_moe=True, repack=False, verbose=False,
+                         moe_expert_cache=4, moe_expert_cache_upload_mb=7)
+    try:
+        assert llm.moe_cache_stats().step_moves == 2  # floor(7 / 3.19)
+    finally:
+        llm.close()
