@@ -130,7 +130,7 @@ static void llama_moe_cache_step(llama_moe_cache * mc, ggml_backend_sched_t sche
             const llama_moe_cache_layer * l = vram.enabled() ? vram.layer(il) : nullptr;
             return l && vram.res.layers[l->ir].served_now ? &vram.res.layers[l->ir] : nullptr;
         }, [&stream](int il) -> const std::vector<int8_t> * {
-            const int li = il < (int) stream.layer_of_il.size() ? stream.layer_of_il[il] : -1;
+            const int li = stream.index_of(il);
             return li >= 0 ? &stream.layers[li].hits_now : nullptr;
         });
         if (mc->stream.on()) {

@@ -61,10 +61,10 @@ static void llama_moe_stream_op(ggml_tensor * dst, const ggml_tensor * a, int it
 }
 
 ggml_tensor * llama_moe_stream::graph_ids(const llama_moe_cache * owner, ggml_context * ctx, ggml_tensor * selected, int il) {
-    if (il < 0 || il >= (int) layer_of_il.size() || layer_of_il[il] < 0) {
+    if (index_of(il) < 0) {
         return selected;
     }
-    auto & l = layers[layer_of_il[il]];
+    auto & l = layers[index_of(il)];
     l.op = { owner, this, l.li };
     ggml_tensor * out = ggml_map_custom1(ctx, selected, llama_moe_stream_op, 1, &l.op);
     ggml_format_name(out, "blk.%d.ffn_moe_stream", il);
@@ -72,10 +72,10 @@ ggml_tensor * llama_moe_stream::graph_ids(const llama_moe_cache * owner, ggml_co
 }
 
 int32_t llama_moe_stream::pin(int32_t il, int32_t e, const void * mem[LLAMA_MOE_N_PROJ]) {
-    if (il < 0 || il >= (int) layer_of_il.size() || layer_of_il[il] < 0) {
+    if (index_of(il) < 0) {
         return -1;
     }
-    const auto & l = layers[layer_of_il[il]];
+    const auto & l = layers[index_of(il)];
     const int32_t entry = l.li * lru.n_expert + e;
     std::lock_guard<std::mutex> lock(mutex);
     if (!lru.resident[entry]) {
@@ -257,12 +257,11 @@ bool llama_model_moe_stream_get_stats(const llama_model * model, llama_moe_strea
 
 bool llama_model_moe_stream_get_layer_stats(const llama_model * model, int32_t il, uint64_t * hits, uint64_t * misses) {
     const llama_moe_cache * mc = model ? model->moe_cache : nullptr;
-    if (mc == nullptr || !mc->stream.on() || il < 0 || il >= (int32_t) mc->stream.layer_of_il.size() ||
-        mc->stream.layer_of_il[il] < 0) {
+    if (mc == nullptr || !mc->stream.on() || mc->stream.index_of(il) < 0) {
         return false;
     }
     std::lock_guard<std::mutex> lock(mc->stream.mutex);
-    const auto & l = mc->stream.layers[mc->stream.layer_of_il[il]];
+    const auto & l = mc->stream.layers[mc->stream.index_of(il)];
     if (hits)   { *hits   = l.hits; }
     if (misses) { *misses = l.misses; }
     return true;

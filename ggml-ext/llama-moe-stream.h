@@ -62,6 +62,11 @@ struct llama_moe_stream {
     std::vector<llama_moe_stream_layer> layers;
     std::vector<int32_t> layer_of_il; // model layer -> index into layers, -1 when not streamed
 
+    // model layer il's index into layers, or -1 when il is not streamed (or out of range)
+    int32_t index_of(int il) const {
+        return il >= 0 && il < (int) layer_of_il.size() ? layer_of_il[il] : -1;
+    }
+
     llama_moe_lru    lru;
     llama_moe_reader reader;
 

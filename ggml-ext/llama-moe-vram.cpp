@@ -208,7 +208,6 @@ void llama_moe_vram::schedule(llama_moe_stream * stream) {
     }
     // the new moves, layer by layer (res.schedule appends them so); a layer's copies go projection by
     // projection, and each move is done once its layer's last copy is
-    std::vector<llama_moe_copy> run;
     size_t i = first;
     while (i < res.moving.size()) {
         size_t j = i;
@@ -216,6 +215,7 @@ void llama_moe_vram::schedule(llama_moe_stream * stream) {
             j++;
         }
         const llama_moe_cache_layer & l = layers[res.moving[i].layer];
+        const bool streamed = stream && stream->on() && stream->index_of(l.il) >= 0;
         // where each move's bytes come from: the stream tier's RAM copy, the host tensor, or the file
         std::vector<std::array<const void *, LLAMA_MOE_N_PROJ>> mem(j - i);
         std::vector<int32_t> pin(j - i, -1);
@@ -224,8 +224,7 @@ void llama_moe_vram::schedule(llama_moe_stream * stream) {
             auto & src = mem[m - i];
             src.fill(nullptr);
             const void * ram[LLAMA_MOE_N_PROJ] = {};
-            const int32_t entry = stream && stream->on() ? stream->pin(l.il, mv.expert, ram) : -1;
-            const bool streamed = stream && stream->on() && stream->layer_of_il.size() > (size_t) l.il && stream->layer_of_il[l.il] >= 0;
+            const int32_t entry = streamed ? stream->pin(l.il, mv.expert, ram) : -1;
             for (int p = 0; p < l.n_proj; ++p) {
                 if (entry >= 0) {
                     src[p] = ram[p];
