@@ -71,6 +71,7 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
         mc->vram.graph_count(d.ctx, d.gf, d.selected, mc->vram.layer_of_il[d.il]); // the prefill warm-up's counts
         return nullptr;
     }
+    mc->vram.routed[mc->vram.layer_of_il[d.il]] = true;
     return l;
 }
 

@@ -105,6 +105,9 @@ void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_
         return; // nothing to do (and no turn was taken: the tiers are set up before any context)
     }
     if (ubatch != nullptr) { // else the graph failed
+        if (!mc->vram.routed_checked && mc->vram.enabled() && (int32_t) ubatch->n_tokens <= mc->max_batch) {
+            mc->vram.check_routed(model.arch_name().c_str());
+        }
         llama_moe_cache_step(mc, sched, ubatch);
     }
     mc->graph_mutex.unlock();

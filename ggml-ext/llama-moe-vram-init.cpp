@@ -545,6 +545,12 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
         model->add_owned_buffer(std::move(ctx), std::move(buf)); // counted in the model's memory breakdown
     }
 
+    vram.routed.reset(new std::atomic<bool>[vram.layers.size()]);
+    for (size_t i = 0; i < vram.layers.size(); ++i) {
+        vram.routed[i] = false;
+    }
+    vram.routed_checked = false;
+
     const auto & l0 = vram.layers[0];
     const int32_t n_stage = vram.res.layers[l0.ir].n_stage;
     LLAMA_LOG("%s: moe-cache: %zu of %d MoE layers cached, %d slots/layer (+%d staging, +1 zero) of %d experts, "

@@ -85,6 +85,17 @@ void llama_moe_vram::disable() {
 // the per-step protocol
 //
 
+void llama_moe_vram::check_routed(const char * arch) {
+    routed_checked = true;
+    for (size_t i = 0; i < layers.size(); ++i) {
+        if (!routed[i]) {
+            LLAMA_LOG_WARN("%s: moe-cache: WARNING layer %d of %s is cached but its decode graph does not route through "
+                    "the cache (the architecture's graph does not compute this layer's experts with build_moe_ffn), "
+                    "so its %d slots never serve\n", __func__, layers[i].il, arch, n_slots);
+        }
+    }
+}
+
 void llama_moe_vram::account() {
     bool any = false;
     for (const auto & l : layers) {

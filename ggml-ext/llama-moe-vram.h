@@ -14,6 +14,8 @@
 
 #include "ggml-cpp.h"
 
+#include <atomic>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -100,6 +102,16 @@ struct llama_moe_vram {
     std::vector<device_table> tables;
 
     bool sync = false; // deterministic visibility (llama_model_moe_cache_set_sync)
+
+    // per cached layer: a graph of a served ubatch size sent it through the cache (set at graph build, by
+    // llama_moe_cache_graph_layer). Checked once, after the first served ubatch: a cached layer whose
+    // decode graph never calls build_moe_ffn with its experts (an architecture that loads expert
+    // tensors but computes a dense FFN) gets one WARN, since its slots would never serve.
+    mutable std::unique_ptr<std::atomic<bool>[]> routed;
+    bool routed_checked = false;
+
+    // the WARN lines above, once; arch: the model's architecture name
+    void check_routed(const char * arch);
 
     // the prefill warm-up (llama_model_moe_cache_set_warmup): per cached layer, how often each expert
     // was selected by batches the cache did not serve, counted by a graph op (graph_count)

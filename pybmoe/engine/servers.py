@@ -146,6 +146,7 @@ class LlamaServer:
 
     def __post_init__(self):
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="pybmoe-server-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log = self.log_dir / f"server-{self.port}.log"
 
     @property

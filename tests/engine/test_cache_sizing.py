@@ -5,6 +5,7 @@ Free device memory comes from the backend's own query (the loopback RPC server r
 memory); the tests force each branch with the floor and the ceiling."""
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 
@@ -177,3 +178,87 @@ def test_a_fitter_that_gives_up_is_reported(model_q8, rpc, tmp_path):
     assert "failed to fit params to free device memory" in log
     assert "moe-cache: --fit gave up (see above), so it did not account for the expert cache" in log
     assert engine.cache_record(log)["slots"] == 8  # sized without it, and on
+
+
+def test_a_cache_that_never_serves_warns_per_layer(rpc, tmp_path):
+    """refact loads expert tensors (the GGUF has an expert count) but its graph computes a dense FFN:
+    every layer is cached and no lookup ever happens. One WARN per layer says so, at the first decode
+    step, naming the architecture; the output is the cache-off output."""
+    m = models.make_model(tmp_path / "refact.gguf", arch="refact", n_layer=2)
+    r, off, off_bin = _logits(m, rpc.endpoint, tmp_path, ["--fit", "off"], name="off.bin")
+    assert r.returncode == 0, off[-2000:]
+    r, on, on_bin = _logits(m, rpc.endpoint, tmp_path, ["--fit", "off", "-v", *engine.cache_args(8)], name="on.bin")
+    assert r.returncode == 0, on[-2000:]
+    assert "moe-cache: 2 of 2 MoE layers cached" in on
+    for il in (0, 1):
+        assert on.count(f"WARNING layer {il} of refact is cached but its decode graph does not route through "
+                        "the cache") == 1, on[-3000:]
+    s = engine.parse_cache_summaries(on)[-1]
+    assert s.uploads == 0 and s.hit_pct == 0 and s.steps == 0  # as upstream's refact MoE model shows
+    assert on_bin.read_bytes() == off_bin.read_bytes()
+
+
+def test_a_cache_that_serves_has_no_routing_warn(model_q8, rpc, tmp_path):
+    r, log, _ = _logits(model_q8, rpc.endpoint, tmp_path, ["--fit", "off", *engine.cache_args(8)], n_predict=4)
+    assert r.returncode == 0, log[-2000:]
+    assert "does not route through the cache" not in log
+    assert engine.parse_cache_summaries(log)[-1].uploads > 0
+
+
+def test_a_dense_model_with_an_expert_count_is_inert_with_one_info_line(rpc, tmp_path, monkeypatch):
+    """A dense architecture whose GGUF still carries an expert count (as upstream's generated
+    ernie4_5 and paddleocr do) has no MoE layer: the one INFO line, no WARN, no preamble."""
+    from pybmoe.models import writer
+
+    dense = writer.ARCHES["qwen3"]
+
+    def kvs(spec, w):
+        dense.add_kvs(spec, w)
+        w.add_expert_count(8)
+        w.add_expert_used_count(2)
+
+    monkeypatch.setitem(writer.ARCHES, "qwen3", writer.ArchDef("qwen3", dense.plan, kvs, moe=False))
+    m = models.make_model(tmp_path / "dense-e.gguf", arch="qwen3", n_layer=2)
+    assert models.read_spec(m).n_expert == 8
+    r, on, _ = _logits(m, rpc.endpoint, tmp_path, ["--fit", "off", "-v", "--moe-expert-cache", "8"])
+    assert r.returncode == 0, on[-2000:]
+    assert on.count("model has no MoE layers; --moe-expert-cache is inert") == 1
+    assert " W " not in "\n".join(l for l in on.splitlines() if "moe-cache" in l)
+    assert engine.parse_cache_preamble(on) is None
+
+
+_SET_ASIDE = re.compile(r"moe-cache: (\S+): ([\d.]+) MiB set aside for the main context, ([\d.]+) MiB for (.+)$", re.M)
+
+
+def _server_reserve(model, rpc, tmp_path, extra):
+    """Start llama-server with auto slots (and `extra`), make one request, stop it: (its log, the
+    engine's 'reserved for contexts' MiB, common's set-aside lines)."""
+    args = ["-m", str(model), *engine.host_experts_args(rpc.endpoint), "--fit", "off", "-c", "512", "-np", "1",
+            "-t", "2", "--moe-expert-cache", "auto", "--moe-expert-cache-ceil-mb", "8", *extra]
+    with engine.LlamaServer(args, log_dir=tmp_path) as srv:
+        assert srv.completion("Hello there", n_predict=8)["content"] is not None
+    log = srv.log.read_text(errors="replace")
+    return log, _reserve(log), _SET_ASIDE.findall(log)
+
+
+def test_auto_counts_a_draft_model(model_q8, rpc, tmp_path):
+    """A -md draft model is loaded after the cache: auto sets aside its weights and context on the
+    device first, so the slots never take its memory. The reserve grows by the draft's measured
+    memory, which is at least its offloaded weights."""
+    draft = models.make_model(tmp_path / "draft.gguf", arch="qwen3", n_layer=2)
+    log0, (res0,), parts0 = _server_reserve(model_q8, rpc, tmp_path / "a", [])
+    assert len(parts0) == 1 and parts0[0][3] == "no draft" and float(parts0[0][2]) == 0.0
+    log1, (res1,), parts1 = _server_reserve(model_q8, rpc, tmp_path / "b", ["-md", str(draft), "-ngld", "99"])
+    ((dev, main_mib, draft_mib, what),) = parts1
+    assert what == "the draft model" and dev.startswith("RPC")
+    main_mib, draft_mib = float(main_mib), float(draft_mib)
+    assert main_mib == pytest.approx(float(parts0[0][1]), abs=0.05)       # the main context is the same
+    assert res1 == pytest.approx(main_mib + draft_mib, abs=1.0)           # and the engine set aside both
+    assert res1 - res0 == pytest.approx(draft_mib, abs=1.0)
+    # the draft's weights on the device: every tensor but the token embeddings (kept on the host)
+    from pybmoe.models.writer import row_bytes
+    meta = models.read_metadata(draft)
+    weights_mib = sum(row_bytes(t.shape[0], t.qtype) * math.prod(t.shape[1:])
+                      for t in meta.tensors if t.name != "token_embd.weight") / 2**20
+    assert draft_mib >= weights_mib * 0.99, (draft_mib, weights_mib)
+    assert "speculative" in log1.lower() or "draft" in log1.lower()
