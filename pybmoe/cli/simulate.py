@@ -44,6 +44,17 @@ def _parse_policies(text: str) -> list[str]:
     return ps
 
 
+def _window(text: str) -> int:
+    """``--admit-window``: an integer >= 1 (steps)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1 or str(v) != text.strip():
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; accepted: an integer >= 1 (steps)")
+    return v
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``pybmoe simulate TRACE --policy P BUDGET [...]``; returns the exit status."""
     ap = argparse.ArgumentParser(
@@ -67,6 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="layer-lru upload cap per layer per step, 0 = unlimited (default: the trace header's, else 0)")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="largest ubatch (tokens) the engine cache serves (default: the trace header's max_batch, else 1)")
+    ap.add_argument("--admit", choices=sim.ADMISSIONS, default="always",
+                    help="layer-lru admission rule: always upload a miss (the engine today), or second-miss: "
+                         "only an expert that also missed within the last --admit-window steps of its layer "
+                         "(default %(default)s)")
+    ap.add_argument("--admit-window", type=_window, default=None, metavar="N",
+                    help=f"second-miss's window in steps of the layer (default {sim.DEFAULT_ADMIT_WINDOW})")
     ap.add_argument("--workload", default=None, help="replay only this workload")
     ap.add_argument("--csv", action="store_true", help="print tidy CSV: one row per workload, policy and budget")
     ap.add_argument("-o", "--output", type=Path, default=None, help="also write the tidy CSV here")
@@ -80,6 +97,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     err = sys.stderr
+    if a.admit_window is not None and a.admit == "always":
+        ap.error("--admit-window applies to --admit second-miss only")
+    if a.admit != "always":
+        if a.verify:
+            ap.error(f"--verify replays the engine, which admits every miss; --admit {a.admit} does not apply")
+        try:
+            others = [p for p in _parse_policies(a.policy) if p != "layer-lru"]
+        except ValueError:
+            others = []              # reported below with the other errors
+        if others:
+            ap.error(f"--admit {a.admit} is modelled for layer-lru only; --policy also names {', '.join(others)}")
     try:
         t = tr.read_trace(a.trace)
         if a.workload:
@@ -112,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         policies = _parse_policies(a.policy)
         df = sim.sweep(rp, policies, [(kind, v) for v in values], phase=a.phase, inserts=a.inserts,
                        max_batch=a.max_batch or int(t.meta.extra.get("max_batch", 1)), expert_bytes=expert_bytes,
-                       backend=a.backend,
+                       admit=a.admit, admit_window=a.admit_window, backend=a.backend,
                        progress=False if a.no_progress else None)
     except (OSError, ValueError) as e:
         print(f"pybmoe simulate: error: {e}", file=err)
@@ -156,13 +184,16 @@ def _print_report(rp: sim.Replay, df: pd.DataFrame, phase: str) -> None:
     cyc = sim.token_cycle(rp.n_layer, rp.top_k, rp.n_expert)
     print(f"{len(rp.workloads)} workload(s), {rp.n_layer} layers x {rp.n_expert} experts, top-{rp.top_k}; "
           f"token cycle {cyc} entries ({rp.top_k} slots/layer); phase {phase}")
+    if (df["admit"] != "always").any():
+        print(f"admission: {df['admit'].iloc[0]}, window {df['admit_window'].iloc[0]} steps (layer-lru)")
     cols = ["workload", "policy", "budget_entries", "slots_per_layer", "accesses", "misses", "hit_rate",
-            "uploads", "reach_tokens"]
+            "uploads", "wasted", "reach_tokens"]
     print(_table(df[cols]))
     if len(rp.workloads) > 1:
         p = sim.pooled(df)
         print("\nall workloads:")
-        print(_table(p[["policy", "budget_entries", "slots_per_layer", "accesses", "misses", "hit_rate"]]))
+        print(_table(p[["policy", "budget_entries", "slots_per_layer", "accesses", "misses", "hit_rate", "uploads",
+                        "wasted"]]))
     below = df[df["budget_entries"] < cyc]
     if len(below):
         print(f"\nnote: budgets below the token cycle ({cyc} entries): a global LRU evicts what the next token "

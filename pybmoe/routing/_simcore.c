@@ -4,7 +4,9 @@
 // tests check that both give identical results on random traces and unit streams:
 // tests/routing/test_sim.py, tests/routing/test_sim_core.py):
 //
-//   pybmoe_sim_layer_lru  <->  sim._layer_lru_py   the engine's per-layer policy, with its upload lag
+//   pybmoe_sim_layer_lru_admit <-> sim._layer_lru_py the engine's per-layer policy, with its upload lag,
+//                                                 and an admission rule (always / second miss)
+//   pybmoe_sim_layer_lru  (the same with admission always and two counters, for older callers)
 //   pybmoe_sim_global     <->  sim._global_py      global-lru, fifo, lfu, belady over (layer, expert)
 //
 // The event stream is cut into units: a unit is one layer's lookups in one ubatch (all its
@@ -26,7 +28,8 @@ enum { SIM_GLOBAL_LRU = 0, SIM_FIFO = 1, SIM_LFU = 2, SIM_BELADY = 3 };
 enum { SIM_OK = 0, SIM_ENOMEM = -1, SIM_EINVAL = -2 };
 
 int32_t pybmoe_simcore_version(void) {
-    return 2; // 2: global-lru takes a step's lookups in router rank order (recency per lookup)
+    return 3; // 2: global-lru takes a step's lookups in router rank order (recency per lookup)
+              // 3: layer-lru's admission rule (pybmoe_sim_layer_lru_admit) and wasted uploads
 }
 
 // ---------------------------------------------------------------- indexed min-heap of ids
@@ -131,14 +134,21 @@ static void iheap_clear(iheap * h) {
 // The residents: up to SIM_SCAN_SLOTS slots an array scanned for the victim (a few cycles per
 // resident, nothing per hit), above that a min-heap on (used, id) whose keys catch up lazily.
 //
-// counters[0] += uploads completed (admitted or dropped), counters[1] += uploads dropped.
+// Admission (window > 0: "second miss"): a distinct miss of step s is scheduled only if the same
+// expert also missed at one of the steps s - window .. s - 1 of this layer (a ghost history: the
+// step of each expert's last miss, lastmiss[e], 0 = none since the stream began); otherwise it is
+// only remembered, and it takes neither an insert nor a physical slot. window 0: every miss is
+// scheduled (admission "always", the engine today). Every miss updates lastmiss, scheduled or not.
+//
+// counters[0] += uploads completed (admitted or dropped), counters[1] += uploads dropped,
+// counters[2] += uploads wasted: dropped, or evicted before any lookup hit them.
 
 #define SIM_SCAN_SLOTS 64
 
-int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
-                             const int32_t * expert, int32_t n_expert, int32_t slots, int32_t cap,
-                             int32_t staging, int8_t * out, int64_t * counters) {
-    if (n_units < 0 || n_expert <= 0 || slots < 1 || slots > n_expert || cap < 0 || staging < 0) {
+int32_t pybmoe_sim_layer_lru_admit(int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
+                                   const int32_t * expert, int32_t n_expert, int32_t slots, int32_t cap,
+                                   int32_t staging, int32_t window, int8_t * out, int64_t * counters) {
+    if (n_units < 0 || n_expert <= 0 || slots < 1 || slots > n_expert || cap < 0 || staging < 0 || window < 0) {
         return SIM_EINVAL;
     }
     iheap h;
@@ -146,11 +156,13 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
     uint8_t * resident = calloc((size_t) n_expert, 1);
     int64_t * used     = calloc((size_t) n_expert, sizeof(int64_t));
     int64_t * missmark = calloc((size_t) n_expert, sizeof(int64_t)); // unit + 1 that listed e in misses
+    int64_t * lastmiss = calloc((size_t) n_expert, sizeof(int64_t)); // the step e last missed at, 0 none
+    uint8_t * gothit   = calloc((size_t) n_expert, 1);               // a resident hit since it landed
     int32_t * flight   = malloc(sizeof(int32_t) * (size_t) n_expert);
     int32_t * misses   = malloc(sizeof(int32_t) * (size_t) n_expert);
     int32_t * rs       = malloc(sizeof(int32_t) * (size_t) slots); // the residents, in no order (scan)
     const int scan     = slots <= SIM_SCAN_SLOTS;
-    if (rc != SIM_OK || !resident || !used || !missmark || !flight || !misses || !rs) {
+    if (rc != SIM_OK || !resident || !used || !missmark || !lastmiss || !gothit || !flight || !misses || !rs) {
         rc = SIM_ENOMEM;
         goto done;
     }
@@ -161,6 +173,7 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
             iheap_clear(&h);
             memset(resident, 0, (size_t) n_expert);
             memset(used, 0, sizeof(int64_t) * (size_t) n_expert);
+            memset(lastmiss, 0, sizeof(int64_t) * (size_t) n_expert);
             n_flight = n_misses = n_res = 0;
             step = last_step = 0;
         }
@@ -173,11 +186,16 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
                 used[e] = step;
                 if (resident[e]) {
                     out[i] = 1; // its heap key lags until it reaches the top (below)
+                    gothit[e] = 1;
                 } else {
                     out[i] = 0;
                     if (missmark[e] != u + 1) {
                         missmark[e] = u + 1;
-                        misses[n_misses++] = e;
+                        const int64_t prev = lastmiss[e];
+                        lastmiss[e] = step;
+                        if (window == 0 || (prev > 0 && step - prev <= window)) {
+                            misses[n_misses++] = e; // admitted: scheduled below
+                        }
                     }
                 }
             }
@@ -211,8 +229,10 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
                 }
                 if (used[v] >= last_step) { // every resident was selected at the last step
                     counters[1]++;
+                    counters[2]++;
                     continue;
                 }
+                counters[2] += !gothit[v];
                 if (scan) {
                     rs[j] = rs[n_res - 1];
                 } else {
@@ -222,6 +242,7 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
                 n_res--;
             }
             resident[e] = 1;
+            gothit[e]   = 0;
             if (scan) {
                 rs[n_res] = e;
             } else {
@@ -248,7 +269,19 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
     }
 done:
     iheap_free(&h);
-    free(resident); free(used); free(missmark); free(flight); free(misses); free(rs);
+    free(resident); free(used); free(missmark); free(lastmiss); free(gothit); free(flight); free(misses); free(rs);
+    return rc;
+}
+
+// admission always, counters[0..1] only (version 2's entry point)
+int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
+                             const int32_t * expert, int32_t n_expert, int32_t slots, int32_t cap,
+                             int32_t staging, int8_t * out, int64_t * counters) {
+    int64_t c[3] = { 0, 0, 0 };
+    const int32_t rc = pybmoe_sim_layer_lru_admit(n_units, unit_start, unit_flags, expert, n_expert, slots, cap,
+                                                  staging, 0, out, c);
+    counters[0] += c[0];
+    counters[1] += c[1];
     return rc;
 }
 

@@ -11,7 +11,10 @@ Policies (:data:`POLICIES`; the rules are spelled out in ``docs/traces.md``):
     lookups are ``-1`` per lookup, count as misses when their phase is counted, and leave the
     cache as it is, except that pending uploads become resident after them as after any ubatch,
     as in the engine. :func:`engine_replay` and :func:`compare_with_engine` check a captured
-    trace event for event against the engine's ``hit`` column.
+    trace event for event against the engine's ``hit`` column. An admission rule (``admit``,
+    :data:`ADMISSIONS`) decides which misses are uploaded: ``always`` (the engine today) or
+    ``second-miss`` (only an expert that also missed within the last ``admit_window`` steps of
+    its layer; a what-if, not in the engine yet).
 ``global-lru``, ``fifo``, ``lfu``, ``belady``
     One cache of ``budget_entries`` (layer, expert) entries shared by all layers. The admission
     unit is a layer step (one layer's lookups in one ubatch): its lookups see the cache as it was
@@ -64,12 +67,19 @@ from . import trace as tr
 POLICIES = ("layer-lru", "global-lru", "fifo", "lfu", "belady", "static")
 BUDGET_KINDS = ("slots_per_layer", "budget_entries", "fraction", "mib")
 BACKENDS = ("auto", "c", "python")
+#: Admission rules of ``layer-lru`` (``admit=``): ``always`` uploads every miss (the engine today);
+#: ``second-miss`` uploads a miss only when the same expert also missed within the last
+#: ``admit_window`` steps of its layer.
+ADMISSIONS = ("always", "second-miss")
+#: The default ``admit_window`` of ``second-miss``, in steps (served ubatches) of the layer.
+DEFAULT_ADMIT_WINDOW = 4
 _GLOBAL_CODE = {"global-lru": 0, "fifo": 1, "lfu": 2, "belady": 3}
 _SERVED, _RESET = 1, 2
 _NEVER = 1 << 62
 #: Columns of the per-workload summary (and of ``--csv``), in order.
-SUMMARY_COLUMNS = ("workload", "policy", "phase", "budget_entries", "slots_per_layer", "inserts", "accesses",
-                   "hits", "misses", "hit_rate", "tokens", "uploads", "overlap", "reach_tokens")
+SUMMARY_COLUMNS = ("workload", "policy", "phase", "budget_entries", "slots_per_layer", "inserts", "admit",
+                   "admit_window", "accesses", "hits", "misses", "hit_rate", "tokens", "uploads", "wasted",
+                   "overlap", "reach_tokens")
 
 
 class PolicyError(ValueError):
@@ -114,7 +124,7 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
     try:
         lib = ctypes.CDLL(str(p))
         lib.pybmoe_simcore_version.restype = ctypes.c_int32
-        if lib.pybmoe_simcore_version() != 2:
+        if lib.pybmoe_simcore_version() != 3:
             return False
     except (OSError, AttributeError):
         return False
@@ -125,6 +135,9 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
     lib.pybmoe_sim_layer_lru.argtypes = [ctypes.c_int64, i64p, u8p, i32p, ctypes.c_int32, ctypes.c_int32,
                                          ctypes.c_int32, ctypes.c_int32, i8p, i64p]
     lib.pybmoe_sim_layer_lru.restype = ctypes.c_int32
+    lib.pybmoe_sim_layer_lru_admit.argtypes = [ctypes.c_int64, i64p, u8p, i32p, ctypes.c_int32, ctypes.c_int32,
+                                               ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, i8p, i64p]
+    lib.pybmoe_sim_layer_lru_admit.restype = ctypes.c_int32
     lib.pybmoe_sim_global.argtypes = [ctypes.c_int32, ctypes.c_int64, i64p, u8p, i32p, ctypes.c_int32,
                                       ctypes.c_int64, i8p, i64p]
     lib.pybmoe_sim_global.restype = ctypes.c_int32
@@ -157,33 +170,47 @@ def _use_c(backend: str) -> bool:
 # --------------------------------------------------------------------------- pure-Python twins of the core
 
 def _layer_lru_py(start: np.ndarray, flags: np.ndarray, expert: np.ndarray, n_expert: int, slots: int,
-                  cap: int, staging: int, out: np.ndarray, counters: np.ndarray) -> None:
-    """The engine's policy, written as docs/expert-cache.md states it (see pybmoe_sim_layer_lru)."""
+                  cap: int, staging: int, out: np.ndarray, counters: np.ndarray, window: int = 0) -> None:
+    """The engine's policy, written as docs/expert-cache.md states it (see pybmoe_sim_layer_lru_admit).
+
+    ``window`` 0: every miss is scheduled (admission ``always``); ``window`` W > 0: a miss of step
+    s is scheduled only when the expert also missed at one of the steps s - W .. s - 1 (``second-miss``).
+    ``counters``: [0] += uploads completed, [1] += dropped, [2] (when there) += wasted (dropped, or
+    evicted before any hit).
+    """
     ids = expert.tolist()
     st = start.tolist()
     res = np.empty(len(ids), dtype=np.int8)
     R: set[int] = set()
     used = [0] * n_expert
+    last_miss = [0] * n_expert                       # the ghost history: step of the last miss, 0 none
+    got_hit = [False] * n_expert                     # a resident hit since it landed
     F: list[int] = []
     misses: list[int] = []
     step = last_step = 0
-    uploads = dropped = 0
+    uploads = dropped = wasted = 0
     for u, fl in enumerate(flags.tolist()):
         if fl & _RESET:
             R, used, F, misses, step, last_step = set(), [0] * n_expert, [], [], 0, 0
+            last_miss = [0] * n_expert
         b, end = st[u], st[u + 1]
         if fl & _SERVED:                             # a step: lookups against R
             step += 1
             last_step = step
+            missed_now: set[int] = set()
             for i in range(b, end):
                 e = ids[i]
                 used[e] = step
                 if e in R:
                     res[i] = 1
+                    got_hit[e] = True
                 else:
                     res[i] = 0
-                    if e not in misses:
-                        misses.append(e)
+                    if e not in missed_now:
+                        missed_now.add(e)
+                        prev, last_miss[e] = last_miss[e], step
+                        if window == 0 or (prev > 0 and step - prev <= window):
+                            misses.append(e)         # admitted: scheduled below
         else:
             res[b:end] = -1
         for e in F:                                  # after the ubatch: uploads scheduled after the previous one
@@ -192,11 +219,15 @@ def _layer_lru_py(start: np.ndarray, flags: np.ndarray, expert: np.ndarray, n_ex
                 cands = [x for x in R if used[x] < last_step]
                 if not cands:
                     dropped += 1
+                    wasted += 1
                     continue
-                R.remove(min(cands, key=lambda x: (used[x], x)))
+                v = min(cands, key=lambda x: (used[x], x))
+                wasted += not got_hit[v]
+                R.remove(v)
             R.add(e)
+            got_hit[e] = False
         F = []
-        for e in misses:                             # then this one's misses are scheduled
+        for e in misses:                             # then this one's admitted misses are scheduled
             if e in R:
                 continue
             if cap > 0 and len(F) == cap:
@@ -208,6 +239,8 @@ def _layer_lru_py(start: np.ndarray, flags: np.ndarray, expert: np.ndarray, n_ex
     out[:] = res
     counters[0] += uploads
     counters[1] += dropped
+    if len(counters) > 2:
+        counters[2] += wasted
 
 
 def _next_use(start: list[int], flags: list[int], ids: list[int]) -> list[int]:
@@ -634,7 +667,10 @@ class SimResult:
     -1 not served (layer-lru: a ubatch the engine's cache does not serve) or not replayed (a row
     outside ``phase`` for the other policies). ``counted`` (bool, same shape) marks the rows of
     ``phase``; they are the ``accesses`` (a counted -1 is a miss). ``summary`` has one row per
-    workload, columns :data:`SUMMARY_COLUMNS`.
+    workload, columns :data:`SUMMARY_COLUMNS`: ``uploads`` and ``wasted`` are in experts (one
+    (layer, expert) slice each; ``wasted``: uploads dropped or evicted before any hit, layer-lru
+    only), ``tokens`` in tokens. ``admit`` is the admission rule, ``admit_window`` its window in
+    steps (``second-miss`` only).
     """
 
     policy: str
@@ -646,6 +682,8 @@ class SimResult:
     predicted: np.ndarray
     counted: np.ndarray
     summary: pd.DataFrame
+    admit: str = "always"
+    admit_window: int | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -694,7 +732,7 @@ def _run_units(units: _Units, w: int, n_workloads: int, predicted: np.ndarray,
     part = _parts(units, n_workloads)[w]
     n = part.e1 - part.e0
     out = predicted[part.row0:part.row0 + n] if part.row0 >= 0 else np.empty(n, dtype=np.int8)
-    counters = np.zeros(2, dtype=np.int64)
+    counters = np.zeros(3, dtype=np.int64)
     if part.start is not None:
         rc = fn(part.start, part.flags, part.ids, out, counters)
         if rc:
@@ -707,18 +745,27 @@ def _run_units(units: _Units, w: int, n_workloads: int, predicted: np.ndarray,
 def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | None = None,
              budget_entries: int | None = None, fraction: float | None = None, mib: float | None = None,
              model: str | os.PathLike | None = None, expert_bytes: float | None = None, phase: str = "decode",
-             inserts: int | None = None, max_batch: int = 1, backend: str = "auto",
+             inserts: int | None = None, max_batch: int = 1, admit: str = "always",
+             admit_window: int | None = None, backend: str = "auto",
              progress: Callable[[int], None] | None = None) -> SimResult:
     """Replay ``policy`` over every workload of ``trace`` at one budget (see the module doc).
 
     ``inserts`` (layer-lru only): uploads per layer per step, 0 = unlimited; default: the trace
     header's, else 0. ``max_batch``: the largest ubatch (tokens) the engine's cache serves (1
-    today; also scales the staging slots). ``progress`` is called with 1 after each workload.
-    Raises :class:`PolicyError` for an unknown policy, phase or backend and :class:`BudgetError`
-    for a bad budget.
+    today; also scales the staging slots). ``admit`` (layer-lru only, :data:`ADMISSIONS`): which
+    misses are uploaded: ``always`` every one (the engine today, the default); ``second-miss`` only
+    an expert that also missed at one of the last ``admit_window`` steps of its layer (steps are
+    served ubatches; default :data:`DEFAULT_ADMIT_WINDOW`). ``progress`` is called with 1 after
+    each workload.
+    Raises :class:`PolicyError` for an unknown policy, phase, backend or admission rule (or an
+    admission other than ``always`` for a policy other than layer-lru) and :class:`BudgetError`
+    for a bad budget or an ``admit_window`` below 1 (or given with ``always``).
     """
     if policy not in POLICIES:
         raise PolicyError(f"policy {policy!r}; accepted: {', '.join(POLICIES)}")
+    window = admission_window(admit, admit_window)
+    if window and policy != "layer-lru":
+        raise PolicyError(f"admit {admit!r} is modelled for layer-lru only, not {policy!r}; accepted: always")
     if max_batch < 1:
         raise BudgetError(f"max_batch {max_batch}; accepted: >= 1")
     rp = prepare(trace)
@@ -736,6 +783,7 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
     n_w = len(rp.workloads)
     predicted = np.full(rp.n_rows, -1, dtype=np.int8)
     uploads = np.zeros(n_w, dtype=np.int64)
+    wasted = np.zeros(n_w, dtype=np.int64)
     hits = np.zeros(n_w, dtype=np.int64)
 
     if policy == "static":
@@ -763,9 +811,9 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
                     out[:] = -1
                     return 0
                 if lib is not None:
-                    return lib.pybmoe_sim_layer_lru(len(flags), start, flags, ids, rp.n_expert, slots, inserts,
-                                                    stage, out, counters)
-                _layer_lru_py(start, flags, ids, rp.n_expert, slots, inserts, stage, out, counters)
+                    return lib.pybmoe_sim_layer_lru_admit(len(flags), start, flags, ids, rp.n_expert, slots, inserts,
+                                                          stage, window, out, counters)
+                _layer_lru_py(start, flags, ids, rp.n_expert, slots, inserts, stage, out, counters, window)
                 return 0
         else:
             units = rp.global_units(phase)  # the counted rows only
@@ -782,6 +830,7 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
         for w in range(n_w):
             out, counters = _run_units(units, w, n_w, predicted, fn)
             uploads[w] = counters[0]
+            wasted[w] = counters[2]
             if cev is None:
                 hits[w] = np.count_nonzero(out == 1)
             else:
@@ -791,42 +840,71 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
                 progress(1)
 
     spl = entries / rp.n_layer
-    return SimResult(policy, phase, entries, spl, inserts if policy == "layer-lru" else None, max_batch,
+    lru = policy == "layer-lru"
+    return SimResult(policy, phase, entries, spl, inserts if lru else None, max_batch,
                      predicted, counted, _summary(rp, policy, phase, entries, spl,
-                                                  inserts if policy == "layer-lru" else None,
-                                                  rp.accesses(phase), hits, uploads))
+                                                  inserts if lru else None, admit, window or None,
+                                                  rp.accesses(phase), hits, uploads, wasted if lru else None),
+                     admit, window or None)
 
 
-def _summary(rp: Replay, policy: str, phase: str, entries: int, spl: float, inserts: int | None,
-             acc: np.ndarray, hits: np.ndarray, uploads: np.ndarray) -> pd.DataFrame:
+def admission_window(admit: str, admit_window: int | None) -> int:
+    """The core's window for an admission rule: 0 for ``always``, else ``admit_window`` (steps,
+    default :data:`DEFAULT_ADMIT_WINDOW`). Raises :class:`PolicyError` for an unknown rule and
+    :class:`BudgetError` for a window that is not an integer >= 1, or one given with ``always``."""
+    if admit not in ADMISSIONS:
+        raise PolicyError(f"admit {admit!r}; accepted: {', '.join(ADMISSIONS)}")
+    if admit == "always":
+        if admit_window is not None:
+            raise BudgetError(f"admit_window {admit_window} given with admit 'always'; accepted: admit_window "
+                              "with admit 'second-miss' only")
+        return 0
+    w = DEFAULT_ADMIT_WINDOW if admit_window is None else admit_window
+    if isinstance(w, bool) or int(w) != w or w < 1 or w > 2**31 - 1:
+        raise BudgetError(f"admit_window {admit_window}; accepted: an integer >= 1 (steps)")
+    return int(w)
+
+
+def _summary(rp: Replay, policy: str, phase: str, entries: int, spl: float, inserts: int | None, admit: str,
+             admit_window: int | None, acc: np.ndarray, hits: np.ndarray, uploads: np.ndarray,
+             wasted: np.ndarray | None) -> pd.DataFrame:
     tokens = rp.tokens(phase)
     ov = rp.overlap()
     rows = []
     for w, name in enumerate(rp.workloads):
         o = ov.get(name, float("nan"))
         rows.append({"workload": name, "policy": policy, "phase": phase, "budget_entries": entries,
-                     "slots_per_layer": spl, "inserts": inserts, "accesses": int(acc[w]), "hits": int(hits[w]),
+                     "slots_per_layer": spl, "inserts": inserts, "admit": admit, "admit_window": admit_window,
+                     "accesses": int(acc[w]), "hits": int(hits[w]),
                      "misses": int(acc[w] - hits[w]), "hit_rate": float(hits[w] / acc[w]) if acc[w] else 0.0,
-                     "tokens": int(tokens[w]), "uploads": int(uploads[w]), "overlap": o,
+                     "tokens": int(tokens[w]), "uploads": int(uploads[w]),
+                     "wasted": None if wasted is None else int(wasted[w]), "overlap": o,
                      "reach_tokens": reach_tokens(spl, rp.top_k, o) if not math.isnan(o) else float("nan")})
     df = pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
-    df["inserts"] = df["inserts"].astype("Int64")
+    for c in ("inserts", "admit_window", "wasted"):
+        df[c] = df[c].astype("Int64")
     return df
 
 
 def sweep(trace: tr.Trace | Replay, policies: Sequence[str], budgets: Sequence[tuple[str, float]], *,
           phase: str = "decode", inserts: int | None = None, max_batch: int = 1, expert_bytes: float | None = None,
-          backend: str = "auto", progress: bool | None = None) -> pd.DataFrame:
+          admit: str = "always", admit_window: int | None = None, backend: str = "auto",
+          progress: bool | None = None) -> pd.DataFrame:
     """Replay every policy at every budget; the tidy concatenation of the summaries.
 
-    ``budgets`` are ``(kind, value)`` pairs with ``kind`` in :data:`BUDGET_KINDS`. ``progress``:
-    show a progress bar on stderr (None: only when stderr is a terminal). Raises like :func:`simulate`.
+    ``budgets`` are ``(kind, value)`` pairs with ``kind`` in :data:`BUDGET_KINDS`. ``admit`` and
+    ``admit_window`` (steps) as in :func:`simulate` (an admission other than ``always`` needs
+    layer-lru as the only policy). ``progress``: show a progress bar on stderr (None: only when
+    stderr is a terminal). Raises like :func:`simulate`, before any replay.
     """
     from tqdm import tqdm
     rp = prepare(trace)
     for p in policies:
         if p not in POLICIES:
             raise PolicyError(f"policy {p!r}; accepted: {', '.join(POLICIES)}")
+    if admission_window(admit, admit_window) and set(policies) != {"layer-lru"}:
+        others = ", ".join(p for p in policies if p != "layer-lru")
+        raise PolicyError(f"admit {admit!r} is modelled for layer-lru only, not {others}; accepted: always")
     frames = []
     total = len(policies) * len(budgets) * len(rp.workloads)
     with tqdm(total=total, desc="replay", unit="run", file=sys.stderr, leave=False,
@@ -836,16 +914,20 @@ def sweep(trace: tr.Trace | Replay, policies: Sequence[str], budgets: Sequence[t
                 if kind not in BUDGET_KINDS:
                     raise BudgetError(f"budget kind {kind!r}; accepted: {', '.join(BUDGET_KINDS)}")
                 r = simulate(rp, p, phase=phase, inserts=inserts, max_batch=max_batch, expert_bytes=expert_bytes,
-                             backend=backend, progress=bar.update, **{kind: v})
+                             admit=admit, admit_window=admit_window, backend=backend, progress=bar.update,
+                             **{kind: v})
                 frames.append(r.summary)
     return pd.concat(frames, ignore_index=True)
 
 
 def pooled(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (policy, budget): accesses, hits and hit rate summed over workloads (from a :func:`sweep` frame)."""
-    g = df.groupby(["policy", "budget_entries"], sort=False, as_index=False).agg(
+    """Per (policy, admission, budget): accesses, hits, misses, uploads, wasted uploads, tokens and
+    hit rate summed over workloads (from a :func:`sweep` frame, or several concatenated)."""
+    keys = ["policy", "admit", "admit_window", "budget_entries"] if "admit" in df else ["policy", "budget_entries"]
+    extra = {"wasted": ("wasted", lambda x: x.sum(min_count=1))} if "wasted" in df else {}  # NA: not counted
+    g = df.groupby(keys, sort=False, as_index=False, dropna=False).agg(
         slots_per_layer=("slots_per_layer", "first"), accesses=("accesses", "sum"), hits=("hits", "sum"),
-        misses=("misses", "sum"), uploads=("uploads", "sum"), tokens=("tokens", "sum"))
+        misses=("misses", "sum"), uploads=("uploads", "sum"), tokens=("tokens", "sum"), **extra)
     g["hit_rate"] = g["hits"] / g["accesses"].where(g["accesses"] > 0)
     return g
 

@@ -107,6 +107,23 @@ def test_layer_lru_core_matches_the_python_twin(lib, seed, n_expert, max_len, se
             sim._layer_lru_py(start, flags, ids, n_expert, slots, cap, staging, out_p, cnt_p)
             assert np.array_equal(out_c, out_p), (slots, cap, staging)
             assert np.array_equal(cnt_c, cnt_p), (slots, cap, staging)
+            # with an admission rule (window 0: always, the same as above; W > 0: second miss)
+            for window in (0, 1, 3):
+                out_a, cnt_a = np.empty(len(ids), np.int8), np.zeros(3, np.int64)
+                assert lib.pybmoe_sim_layer_lru_admit(len(flags), start, flags, ids, n_expert, slots, cap, staging,
+                                                      window, out_a, cnt_a) == 0
+                out_q, cnt_q = np.empty(len(ids), np.int8), np.zeros(3, np.int64)
+                sim._layer_lru_py(start, flags, ids, n_expert, slots, cap, staging, out_q, cnt_q, window)
+                assert np.array_equal(out_a, out_q), (slots, cap, staging, window)
+                assert np.array_equal(cnt_a, cnt_q), (slots, cap, staging, window)
+                if window == 0:
+                    assert np.array_equal(out_a, out_c) and np.array_equal(cnt_a[:2], cnt_c)
+
+
+def test_layer_lru_core_refuses_a_negative_window(lib):
+    start, flags, ids = stream(10, n_units=5, n_entries=4, max_len=2)
+    out, cnt = np.empty(len(ids), np.int8), np.zeros(3, np.int64)
+    assert lib.pybmoe_sim_layer_lru_admit(len(flags), start, flags, ids, 4, 2, 0, 1, -1, out, cnt) == -2
 
 
 # --------------------------------------------------------------------------- ties, by hand
