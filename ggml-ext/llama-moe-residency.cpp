@@ -34,6 +34,7 @@ int32_t llama_moe_residency::add_layer(int32_t n_expert, int32_t n_slots, int32_
     l.n_phys   = n_slots + n_stage;
     l.table.assign(n_expert, l.n_phys);
     l.used.assign(n_expert, 0);
+    l.last_miss.assign(n_expert, 0);
     l.slot_expert.assign(l.n_phys, -1);
     l.slot_state.assign(l.n_phys, LLAMA_MOE_SLOT_FREE);
     l.dirty = true; // the tables have never been published
@@ -47,6 +48,7 @@ void llama_moe_residency::lookup(int32_t il, const int32_t * ids, int64_t n) {
     l.misses_now.clear();
     l.hits_now.clear();
     l.last_step = step;
+    const uint64_t s = ++l.n_served;
     for (int64_t i = 0; i < n; ++i) {
         const int32_t e = ids[i];
         LLAMA_MOE_RES_ASSERT(e >= 0 && e < l.n_expert);
@@ -57,8 +59,15 @@ void llama_moe_residency::lookup(int32_t il, const int32_t * ids, int64_t n) {
             l.hits++;
         } else {
             l.misses++;
-            if (std::find(l.misses_now.begin(), l.misses_now.end(), e) == l.misses_now.end()) {
+            if (l.last_miss[e] == s) {
+                continue; // this step's miss of e was decided at its first lookup
+            }
+            const uint64_t prev = l.last_miss[e];
+            l.last_miss[e] = s;
+            if (admit_window == 0 || (prev > 0 && s - prev <= (uint64_t) admit_window)) {
                 l.misses_now.push_back(e);
+            } else {
+                n_bypassed++;
             }
         }
     }

@@ -54,7 +54,9 @@ struct llama_moe_residency_layer {
     std::vector<uint64_t> used;        // [n_expert] the last step the expert was looked up (0 = never)
     std::vector<int32_t>  slot_expert; // [n_phys]   -1 when free
     std::vector<uint8_t>  slot_state;  // [n_phys]   llama_moe_slot_state
-    std::vector<int32_t>  misses_now;  // distinct experts missed at the last served step, in lookup order
+    std::vector<int32_t>  misses_now;  // distinct experts missed at the last served step and admitted, in lookup order
+    std::vector<uint64_t> last_miss;   // [n_expert] the layer's served step the expert last missed at (0 = never)
+    uint64_t n_served   = 0;           // steps that looked this layer up (the admission window counts these)
     std::vector<int8_t>   hits_now;    // per lookup of the last served step: 1 hit, 0 miss
     bool     served_now = false;       // the last ubatch looked this layer up
     uint64_t last_step  = 0;           // the step of hits_now / misses_now
@@ -71,6 +73,12 @@ struct llama_moe_residency {
     std::vector<llama_moe_residency_layer> layers;
 
     int32_t  n_inserts = 0;  // moves per layer per step (0 = unlimited)
+    // admission (0 = always: every miss is scheduled). W > 0, second-miss: a miss is scheduled only
+    // when the expert also missed at one of the layer's last W served steps; a first miss is only
+    // remembered (it takes no insert and no staging slot). pybmoe simulate --admit second-miss
+    // --admit-window W replays the same rule (docs/traces.md, "Admission").
+    int32_t  admit_window = 0;
+    uint64_t n_bypassed   = 0; // misses not admitted
     int32_t  n_step_moves = 0; // moves per step over all layers, the upload budget (0 = unlimited); the
                                // layers take it in turn, starting one layer further each step
     uint64_t step      = 1;  // the current step; 0 in `used` means never

@@ -181,6 +181,9 @@ int32_t llama_model_moe_trace_open(llama_model * model, const char * path, int32
     std::string header = format("n_layer=%d n_expert=%d n_expert_used=%d slots=%d inserts=%d max_batch=%d",
             (int) model->layers.size(), (int) model->hparams.n_expert, (int) model->hparams.n_expert_used(),
             mc->vram.n_slots, mc->vram.res.n_inserts, mc->max_batch);
+    if (mc->vram.res.admit_window > 0) {
+        header += format(" admit=%d", mc->vram.res.admit_window); // the admission window, steps (pybmoe.routing.sim)
+    }
     if (mc->stream.on()) {
         // the stream tier's budget, in the simulator's terms (budget_entries of global-lru)
         header += format(" stream_budget_mb=%.4f stream_entries=%lld stream_entry_mb=%.6f",

@@ -342,12 +342,14 @@ void llama_moe_vram::print_summary() const {
     // waits; upload GB/s: the uploader's own rate while copying
     LLAMA_LOG("moe-cache: %.1f%% hit, resident %.1f MiB, uploads %llu (%.1f MiB), layer_demand %.2f MiB, "
             "token_demand %.2f MiB, steps %llu, upload wait %.1f ms, h2d %llu (%llu publishes), waits %llu, "
-            "upload %.2f GB/s, file %.1f MiB, %s, warmup %llu\n",
+            "upload %.2f GB/s, file %.1f MiB, %s, warmup %llu%s\n",
             n ? 100.0*st.hits/n : 0.0, st.resident_bytes/1024.0/1024.0,
             (unsigned long long) st.uploads, st.upload_bytes/1024.0/1024.0, layer_demand, token_demand,
             (unsigned long long) st.n_steps, st.upload_wait_us/1000.0, (unsigned long long) st.n_h2d,
             (unsigned long long) st.n_publish, (unsigned long long) st.n_waits, st.upload_busy_us ? st.upload_bytes/1e3/st.upload_busy_us : 0.0,
-            st.upload_file_bytes/1024.0/1024.0, sync ? "sync" : "async", (unsigned long long) st.warmup_uploads);
+            st.upload_file_bytes/1024.0/1024.0, sync ? "sync" : "async", (unsigned long long) st.warmup_uploads,
+            res.admit_window > 0 ? format(", admit second-miss:%d (%llu misses not admitted)", res.admit_window,
+                                          (unsigned long long) res.n_bypassed).c_str() : "");
 }
 
 //
@@ -475,6 +477,29 @@ int32_t llama_model_moe_cache_set_upload_budget_mib(llama_model * model, int32_t
     LLAMA_LOG_INFO("%s: moe-cache: upload budget %d MiB per step: %lld experts of %.2f MiB\n", __func__, budget_mib,
             (long long) n, expert/1024.0/1024.0);
     return (int32_t) n;
+}
+
+int32_t llama_model_moe_cache_set_admit_window(llama_model * model, int32_t window) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || !mc->vram.enabled() || window < 0 || window > LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX) {
+        LLAMA_LOG_ERROR("%s: moe-cache: admission window %d refused: it must be 0 (always) .. %d steps, on a cache "
+                "that is on\n", __func__, window, LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX);
+        return -1;
+    }
+    if (mc->n_busy.load() > 0) {
+        LLAMA_LOG_ERROR("%s: moe-cache: a graph is being computed; change the admission between generations\n", __func__);
+        return -2;
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    mc->vram.res.admit_window = window;
+    if (mc->trace.on()) {
+        LLAMA_LOG_WARN("%s: moe-cache: WARNING the admission changed after the trace was opened: its header does not "
+                "say admit=%d\n", __func__, window);
+    }
+    LLAMA_LOG_INFO("%s: moe-cache: admission %s\n", __func__, window > 0 ?
+            format("second-miss: a miss is uploaded when the expert also missed at one of its layer's last %d steps", window).c_str() :
+            "always: every miss is uploaded");
+    return window;
 }
 
 int32_t llama_model_moe_cache_set_sync(llama_model * model, bool sync) {

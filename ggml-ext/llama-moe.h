@@ -112,6 +112,17 @@ LLAMA_API int32_t llama_model_moe_cache_set_slots(struct llama_model * model, in
 // replays them exactly). Returns 0, -1 when the cache is off, -2 while a graph is being computed.
 LLAMA_API int32_t llama_model_moe_cache_set_sync(struct llama_model * model, bool sync);
 
+// Admission (--moe-expert-cache-admit always|second-miss[:W]). window 0 (the default): every miss is
+// uploaded. window W > 0, second-miss: a miss is uploaded only when the expert also missed at one of
+// its layer's last W served steps; a first miss is only remembered, so one-off experts stay on the
+// host. pybmoe simulate --admit second-miss --admit-window W replays it exactly (sync mode);
+// docs/traces.md "Admission" has its measurement. Call before the trace is opened (its header
+// records admit=W). Returns W, -1 when the cache is off or W is out of 0 .. LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX,
+// -2 while a graph is being computed.
+#define LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX 1024
+#define LLAMA_MOE_CACHE_ADMIT_WINDOW_DEFAULT 4
+LLAMA_API int32_t llama_model_moe_cache_set_admit_window(struct llama_model * model, int32_t window);
+
 // Prefill warm-up (--moe-expert-cache-warmup N): during a batch the cache does not serve (a prefill
 // larger than the max batch), each cached layer counts how often each expert is selected; after it,
 // the N most used experts of each layer that are not resident are uploaded (at most the staging

@@ -34,21 +34,22 @@ struct row {
 };
 
 static int usage(const char * why) {
-    fprintf(stderr, "pybmoe-test-residency: %s\nusage: pybmoe-test-residency TRACE.csv N_EXPERT TOP_K SLOTS INSERTS MAX_BATCH\n", why);
+    fprintf(stderr, "pybmoe-test-residency: %s\nusage: pybmoe-test-residency TRACE.csv N_EXPERT TOP_K SLOTS INSERTS MAX_BATCH [ADMIT_WINDOW]\n", why);
     return 2;
 }
 
 int main(int argc, char ** argv) {
-    if (argc != 7) {
-        return usage("expected 6 arguments");
+    if (argc != 7 && argc != 8) {
+        return usage("expected 6 or 7 arguments");
     }
     const int32_t n_expert  = atoi(argv[2]);
     const int32_t n_used    = atoi(argv[3]);
     const int32_t n_slots   = atoi(argv[4]);
     const int32_t n_inserts = atoi(argv[5]);
     const int32_t max_batch = atoi(argv[6]);
-    if (n_expert <= 0 || n_used <= 0 || n_slots < 0 || n_slots > n_expert || n_inserts < 0 || max_batch < 1) {
-        return usage("bad N_EXPERT, TOP_K, SLOTS, INSERTS or MAX_BATCH");
+    const int32_t admit     = argc == 8 ? atoi(argv[7]) : 0; // the admission window, steps (0 = always)
+    if (n_expert <= 0 || n_used <= 0 || n_slots < 0 || n_slots > n_expert || n_inserts < 0 || max_batch < 1 || admit < 0) {
+        return usage("bad N_EXPERT, TOP_K, SLOTS, INSERTS, MAX_BATCH or ADMIT_WINDOW");
     }
     FILE * f = fopen(argv[1], "rb");
     if (f == nullptr) {
@@ -126,6 +127,7 @@ int main(int argc, char ** argv) {
             n_steps += res.n_steps;
             res = {};
             res.n_inserts = n_inserts;
+            res.admit_window = admit;
             for (size_t i = 0; i < layers.size(); ++i) {
                 res.add_layer(n_expert, n_slots, n_stage);
             }

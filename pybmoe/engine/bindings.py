@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from .flags import parse_admit
+
 LLAMA_MOE_CACHE_AUTO = -1
 LLAMA_MOE_CACHE_ERR_NO_ROOM = -3  # llama-moe.h: fixed slots do not fit a device
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # upstream's LLM_FFN_EXPS_REGEX (--cpu-moe)
@@ -180,6 +182,8 @@ def _llama_lib() -> ctypes.CDLL:
         lib.llama_model_moe_cache_set_slots.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.llama_model_moe_cache_set_sync.argtypes = [ctypes.c_void_p, ctypes.c_bool]
         lib.llama_model_moe_cache_set_sync.restype = ctypes.c_int32
+        lib.llama_model_moe_cache_set_admit_window.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.llama_model_moe_cache_set_admit_window.restype = ctypes.c_int32
         lib.llama_model_moe_cache_set_warmup.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.llama_model_moe_cache_set_warmup.restype = ctypes.c_int32
         lib.llama_model_moe_cache_set_upload_budget_mib.argtypes = [ctypes.c_void_p, ctypes.c_int32]
@@ -387,6 +391,9 @@ class Llama(llama_cpp.Llama):
             at decode step s is resident from step s+2, each step waiting for the uploads of the one
             before. Off (the default), an upload is used from the first step after its bytes
             arrive and no step waits for one; the output is bit-identical either way.
+        moe_expert_cache_admit: which misses are uploaded (``--moe-expert-cache-admit``): ``"always"``
+            (the default), ``"second-miss"`` (an expert that also missed at one of its layer's last 4
+            steps) or ``"second-miss:W"`` (W in 1 .. 1024 steps); anything else is a ValueError.
         cpu_moe: keep every MoE expert tensor in host memory (``--cpu-moe``).
         n_cpu_moe: keep the experts of the first N layers in host memory (``--n-cpu-moe``).
         override_tensor: ``"pattern=BUFT,..."`` or a list of ``(pattern, buft name)`` (``-ot``).
@@ -413,7 +420,7 @@ class Llama(llama_cpp.Llama):
                  moe_expert_cache_inserts: int = 0, moe_expert_cache_sync: bool = False,
                  moe_expert_cache_warmup: int = 0, moe_expert_cache_upload_mb: int = 0,
                  moe_expert_cache_floor_mb: int = 1024, moe_expert_cache_ceil_mb: int = 0,
-                 cpu_moe: bool = False, n_cpu_moe: int = 0,
+                 moe_expert_cache_admit: str = "always", cpu_moe: bool = False, n_cpu_moe: int = 0,
                  override_tensor: str | Sequence[tuple[str, str]] | None = None,
                  rpc_servers: str | None = None, repack: bool = True, moe_stream_cache_mb: int | str = 0,
                  moe_stream_floor_mb: int = 1536, moe_stream_ceil_mb: int = 0, moe_stream_io_threads: int = 4,
@@ -425,6 +432,7 @@ class Llama(llama_cpp.Llama):
         upload_mb = _check_count("moe_expert_cache_upload_mb", moe_expert_cache_upload_mb)
         if not isinstance(moe_expert_cache_sync, bool):
             raise ValueError(f"moe_expert_cache_sync must be True or False, got {moe_expert_cache_sync!r}")
+        admit_window = parse_admit(moe_expert_cache_admit)
         floor_mb = _check_count("moe_expert_cache_floor_mb", moe_expert_cache_floor_mb)
         ceil_mb = _check_count("moe_expert_cache_ceil_mb", moe_expert_cache_ceil_mb)
         n_cpu_moe = _check_count("n_cpu_moe", n_cpu_moe)
@@ -497,6 +505,8 @@ class Llama(llama_cpp.Llama):
                                          "the engine's log, verbose=True, says which)")
                     if moe_expert_cache_sync:
                         lib.llama_model_moe_cache_set_sync(self.model, True)
+                    if admit_window:
+                        lib.llama_model_moe_cache_set_admit_window(self.model, admit_window)
                     if warmup:
                         lib.llama_model_moe_cache_set_warmup(self.model, warmup)
                     if upload_mb and lib.llama_model_moe_cache_set_upload_budget_mib(self.model, upload_mb) < 0:

@@ -976,15 +976,27 @@ def misses_per_token(trace: tr.Trace | Replay, slots_per_layer: Sequence[int], b
 def engine_replay(trace: tr.Trace | Replay, *, slots_per_layer: int | None = None, inserts: int | None = None,
                   max_batch: int | None = None, backend: str = "auto") -> SimResult:
     """The layer-lru replay of an engine trace with the engine's own settings (the header's
-    ``slots``, ``inserts`` and ``max_batch`` unless given). Raises :class:`BudgetError` when the slots are unknown."""
+    ``slots``, ``inserts``, ``max_batch`` and ``admit`` — the admission window in steps, absent for
+    ``always`` — unless given). Raises :class:`BudgetError` when the slots are unknown, ``ValueError``
+    for an ``admit=`` that is not a whole number of steps >= 1."""
     rp = prepare(trace)
     if max_batch is None:  # the engine writes max_batch= in the trace header
         max_batch = int(rp.trace.meta.extra.get("max_batch", 1))
     slots = slots_per_layer if slots_per_layer is not None else rp.trace.meta.slots
     if slots is None:
         raise BudgetError("the trace header has no slots= (captured without the cache?); accepted: slots_per_layer=N")
+    window = rp.trace.meta.extra.get("admit")  # --moe-expert-cache-admit second-miss:W
+    admit = {}
+    if window is not None:
+        try:
+            w = int(window)
+        except (TypeError, ValueError):
+            w = 0
+        if w < 1:
+            raise ValueError(f"the trace header's admit={window!r}: expected a window of >= 1 steps")
+        admit = {"admit": "second-miss", "admit_window": w}
     return simulate(rp, "layer-lru", slots_per_layer=slots, inserts=inserts, phase="all", max_batch=max_batch,
-                    backend=backend)
+                    backend=backend, **admit)
 
 
 def compare_with_engine(trace: tr.Trace | Replay, result: SimResult) -> pd.DataFrame:

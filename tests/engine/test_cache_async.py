@@ -183,3 +183,27 @@ def test_the_bindings_refuse_an_upload_budget_under_one_expert(rpc):
         assert llm.moe_cache_stats().step_moves == 2  # floor(7 / 3.19)
     finally:
         llm.close()
+
+
+def test_a_bad_admission_is_refused_by_the_bindings(model_q8):
+    from pybmoe.engine import bindings
+    with pytest.raises(ValueError, match=r"admit='second-miss:0': expected 'always', 'second-miss'"):
+        bindings.Llama(model_q8, moe_expert_cache=4, moe_expert_cache_admit="second-miss:0")
+
+
+def test_the_bindings_take_the_admission(model_q8, rpc):
+    """moe_expert_cache_admit='second-miss' gives the same text as the cache off, with fewer uploads
+    than admitting every miss."""
+    from pybmoe.engine import bindings
+    kw = dict(n_gpu_layers=99, cpu_moe=True, repack=False, rpc_servers=rpc.endpoint, n_ctx=256, verbose=False,
+              moe_expert_cache=4, moe_expert_cache_sync=True)
+    out = {}
+    for admit in ("always", "second-miss"):
+        llm = bindings.Llama(model_q8, moe_expert_cache_admit=admit, **kw)
+        try:
+            text = llm("Once upon a time", max_tokens=24, temperature=0.0)["choices"][0]["text"]
+            out[admit] = (text, llm.moe_cache_stats().uploads)
+        finally:
+            llm.close()
+    assert out["always"][0] == out["second-miss"][0]
+    assert out["second-miss"][1] < out["always"][1], out

@@ -128,3 +128,42 @@ def test_demo_replays_granite_routing(granite_replay):
     assert s is not None and 0 < s.hit_pct < 100 and s.uploads > 0
     assert any("replayed from" in l for l in lines)
     assert any("IDENTICAL" in l for l in lines)
+
+
+@pytest.mark.parametrize("window", [1, 4])
+@pytest.mark.parametrize("slots_of", ["top-k", "half"])
+def test_replay_matches_engine_with_second_miss_admission(model_q8, rpc, tmp_path, slots_of, window):
+    """--moe-expert-cache-admit second-miss:W: the engine uploads a miss only when the expert also
+    missed at one of its layer's last W steps. The trace header records admit=W, the simulator replays
+    the same rule from it, event for event; the logits stay those of the cache off."""
+    spec = models.read_spec(model_q8)
+    slots = {"top-k": spec.n_expert_used, "half": spec.n_expert // 2}[slots_of]
+    path = tmp_path / "trace.csv"
+    base = engine.run_logits(model_q8, tmp_path / "off.bin", [*engine.host_experts_args(rpc.endpoint)],
+                             prompt=PROMPT, n_predict=48, ctx=512, timeout=600)
+    run = engine.run_logits(model_q8, tmp_path / "on.bin",
+                            [*engine.host_experts_args(rpc.endpoint),
+                             *engine.cache_args(slots, 0, sync=True, admit=f"second-miss:{window}"),
+                             "--moe-trace", str(path)], prompt=PROMPT, n_predict=48, ctx=512, timeout=600)
+    assert run.logits == base.logits and run.tokens == base.tokens
+    t = tr.read_trace(path)
+    assert t.meta.extra.get("admit") == str(window)
+    res = sim.engine_replay(t)
+    bad = sim.compare_with_engine(t, res)
+    assert bad.empty, f"{len(bad)} lookups differ, first:\n{bad.head()}"
+    s = engine.parse_cache_summaries(run.log)[-1]
+    assert f"admit second-miss:{window} (" in run.log
+    # the rule keeps uploads down: fewer than the same run admitting every miss
+    always = engine.run_logits(model_q8, tmp_path / "always.bin",
+                               [*engine.host_experts_args(rpc.endpoint), *engine.cache_args(slots, 0, sync=True)],
+                               prompt=PROMPT, n_predict=48, ctx=512, timeout=600)
+    assert s.uploads < engine.parse_cache_summaries(always.log)[-1].uploads
+
+
+def test_replay_rejects_a_bad_admit_header(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("# pybmoe-trace v1 n_layer=1 n_expert=4 n_expert_used=1 slots=2 inserts=0 max_batch=1 admit=x\n"
+                    "workload,phase,ubatch,token,layer,rank,expert,hit\n"
+                    "engine,decode,0,0,0,0,1,0\n")
+    with pytest.raises(ValueError, match=r"admit='x': expected a window of >= 1 steps"):
+        sim.engine_replay(tr.read_trace(path))

@@ -54,3 +54,23 @@ def test_python_side_validates():
         engine.cache_args(-1)
     with pytest.raises(ValueError, match="inserts"):
         engine.cache_args(4, "2")
+
+
+@pytest.mark.parametrize("binary", ["llama-server", "llama-cli"])
+@pytest.mark.parametrize("value", ["sometimes", "second-miss:0", "second-miss:x", "second-miss:1025"])
+def test_bad_admission_is_refused(binary, value, model_q8):
+    r = _run(binary, ["-m", str(model_q8), "--moe-expert-cache-admit", value])
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert "--moe-expert-cache-admit" in out and value.split(":")[-1] in out, out[-2000:]
+
+
+def test_admission_parses_like_the_engine():
+    assert engine.flags.parse_admit("always") == 0
+    assert engine.flags.parse_admit("second-miss") == 4
+    assert engine.flags.parse_admit("second-miss:16") == 16
+    for bad in ("second-miss:0", "second-miss:1025", "second-miss:-1", "Always", "", None):
+        with pytest.raises(ValueError, match="expected 'always', 'second-miss' or 'second-miss:W'"):
+            engine.flags.parse_admit(bad)
+    assert engine.cache_args(4, admit="second-miss") == ["--moe-expert-cache", "4", "--moe-expert-cache-inserts", "0",
+                                                        "--moe-expert-cache-admit", "second-miss:4"]

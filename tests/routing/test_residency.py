@@ -24,9 +24,10 @@ def granite_csv(granite, tmp_path_factory):
     return p
 
 
-def _engine_bookkeeping(path, meta, slots: int, inserts: int, max_batch: int) -> tuple[np.ndarray, dict[str, int]]:
+def _engine_bookkeeping(path, meta, slots: int, inserts: int, max_batch: int,
+                        admit_window: int = 0) -> tuple[np.ndarray, dict[str, int]]:
     r = subprocess.run([str(engine.find_binary("pybmoe-test-residency")), str(path), str(meta.n_expert),
-                        str(meta.n_expert_used), str(slots), str(inserts), str(max_batch)],
+                        str(meta.n_expert_used), str(slots), str(inserts), str(max_batch), str(admit_window)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -53,6 +54,23 @@ def test_the_engines_bookkeeping_equals_the_simulator_event_for_event(granite, g
         assert counts["hits"] > 0 and counts["misses"] > 0
         served = int((got >= 0).sum())
         assert counts["lookups"] == served and served > 0
+
+
+@pytest.mark.parametrize("slots,inserts,max_batch,window", [
+    (4, 0, 1, 4), (8, 0, 1, 1), (8, 0, 1, 4), (8, 2, 1, 4), (16, 0, 1, 8), (24, 0, 1, 4), (8, 0, 4, 4),
+])
+def test_second_miss_admission_equals_the_simulator(granite, granite_csv, slots, inserts, max_batch, window):
+    """The engine's admission rule (--moe-expert-cache-admit second-miss:W) against the simulator's
+    (--admit second-miss --admit-window W): every lookup and the upload count agree, and the rule
+    uploads fewer experts than admitting every miss."""
+    got, counts = _engine_bookkeeping(granite_csv, granite.meta, slots, inserts, max_batch, window)
+    want = sim.simulate(granite, "layer-lru", slots_per_layer=slots, inserts=inserts, max_batch=max_batch, phase="all",
+                        admit="second-miss", admit_window=window)
+    bad = np.flatnonzero(got != want.predicted)
+    assert bad.size == 0, f"{bad.size} lookups differ, first at row {bad[:5].tolist()}"
+    assert counts["moves"] == int(want.summary["uploads"].sum())
+    _, always = _engine_bookkeeping(granite_csv, granite.meta, slots, inserts, max_batch, 0)
+    assert counts["moves"] < always["moves"]
 
 
 def test_a_bad_trace_is_refused_with_its_line(tmp_path):
