@@ -262,3 +262,17 @@ def test_auto_counts_a_draft_model(model_q8, rpc, tmp_path):
                       for t in meta.tensors if t.name != "token_embd.weight") / 2**20
     assert draft_mib >= weights_mib * 0.99, (draft_mib, weights_mib)
     assert "speculative" in log1.lower() or "draft" in log1.lower()
+
+
+@pytest.mark.skipif("qwen35moe" not in models.ARCHES, reason="needs the qwen35moe generator")
+def test_auto_counts_an_mtp_draft_context(rpc, tmp_path):
+    """--spec-type draft-mtp: the MTP draft context runs on the main model's weights (already
+    loaded), so auto sets aside its context only: more than nothing, less than the main model."""
+    model = models.cached_model_path(models.ModelSpec(arch="qwen35moe", n_layer=4, n_expert=8, n_expert_used=3))
+    _, (res0,), parts0 = _server_reserve(model, rpc, tmp_path / "a", ["-fa", "off"])
+    _, (res1,), parts1 = _server_reserve(model, rpc, tmp_path / "b", ["-fa", "off", "--spec-type", "draft-mtp",
+                                                                       "--spec-draft-n-max", "3"])
+    ((_, main_mib, mtp_mib, what),) = parts1
+    assert what == "the MTP draft context"
+    assert 0 < float(mtp_mib) < model.stat().st_size / 2**20  # a context, not the weights again
+    assert res1 - res0 == pytest.approx(float(mtp_mib), abs=1.0)
