@@ -12,7 +12,12 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 
+#include <cerrno>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 
 int32_t llama_moe_replay::open(const llama_model & model, const char * path, int32_t n_ubatch) {
@@ -30,50 +35,117 @@ int32_t llama_moe_replay::open(const llama_model & model, const char * path, int
         LLAMA_LOG_ERROR("%s: moe-route-replay: the model has no MoE layers to replay %s into\n", "llama_model_moe_route_replay_open", path);
         return -1;
     }
-    FILE * f = fopen(path, "rb");
-    if (f == nullptr) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
         LLAMA_LOG_ERROR("%s: moe-route-replay: cannot read %s\n", "llama_model_moe_route_replay_open", path);
         return -1;
     }
-    // rows: workload,phase,ubatch,token,layer,rank,expert,hit (what --moe-trace writes); a token is a
-    // (workload, token) pair, in the order of first appearance
+    // rows: workload,phase,ubatch,token,layer,rank,expert,hit[,ram_hit] (what --moe-trace writes); a token is
+    // a (workload, token) pair, in the order of first appearance. Every field is checked: a row that is
+    // not exactly that (another column order, a stray field, text after a number, a number out of range,
+    // a last line cut off) refuses the file with its line, rather than replaying a misread routing.
+    static const std::string columns = "workload,phase,ubatch,token,layer,rank,expert,hit";
     std::map<std::pair<std::string, long long>, int64_t> tok_of;
     std::vector<int32_t> ids; // [n_tok][n_layer][n_used], -1 = not in the trace
     const int64_t row = (int64_t) n_layer * n_used;
-    char line[512];
+    std::string line;
+    std::vector<std::string> fld;
+    size_t n_fields = 0; // 8 or 9 once the column line has been read; 0: either
     long long lineno = 0;
     std::string err;
-    while (fgets(line, sizeof(line), f)) {
+    // the integer in s within [lo, hi]; false (with err set) when s is not an integer or out of range
+    auto int_field = [&](const std::string & s, const char * name, long long lo, long long hi, long long & v) {
+        const char * b = s.c_str();
+        char * e = nullptr;
+        errno = 0;
+        v = s.empty() ? 0 : strtoll(b, &e, 10);
+        if (s.empty() || e == b || *e != '\0' || errno == ERANGE) {
+            err = format("line %lld: %s '%.40s' is not an integer", lineno, name, b);
+            return false;
+        }
+        if (v < lo || v > hi) {
+            err = format("line %lld: %s %lld, expected %lld .. %lld", lineno, name, v, lo, hi);
+            return false;
+        }
+        return true;
+    };
+    while (err.empty() && std::getline(in, line)) {
         lineno++;
-        if (line[0] == '#' || line[0] == '\n' || strncmp(line, "workload,", 9) == 0) {
+        const bool ended = !in.eof(); // getline stopped at a '\n' (at the end of the file it sets eof)
+        if (lineno == 1 && line.compare(0, 3, "\xEF\xBB\xBF") == 0) {
+            line.erase(0, 3); // a UTF-8 byte-order mark
+        }
+        if (!line.empty() && line.back() == '\r') {
+            line.pop_back();
+        }
+        if (line.find('\0') != std::string::npos) {
+            err = format("line %lld holds a NUL byte; a trace is CSV text", lineno);
+            break;
+        }
+        if (!ended && !line.empty()) {
+            err = format("line %lld has no line end: the file is cut off (every row ends in a newline)", lineno);
+            break;
+        }
+        if (line.empty() || line[0] == '#') {
             continue;
         }
-        char workload[256], phase[32];
-        long long ub, tok;
-        int layer, rank, expert, hit;
-        if (sscanf(line, "%255[^,],%31[^,],%lld,%lld,%d,%d,%d,%d", workload, phase, &ub, &tok, &layer, &rank, &expert, &hit) != 8) {
-            err = format("line %lld is not a trace row (workload,phase,ubatch,token,layer,rank,expert,hit)", lineno);
+        if (line.compare(0, 9, "workload,") == 0) {
+            if (line == columns) {
+                n_fields = 8;
+            } else if (line == columns + ",ram_hit") {
+                n_fields = 9;
+            } else {
+                err = format("line %lld: the columns are '%.120s', expected %s[,ram_hit]", lineno, line.c_str(),
+                        columns.c_str());
+            }
+            continue;
+        }
+        fld.clear();
+        for (size_t b = 0;;) {
+            const size_t c = line.find(',', b);
+            fld.push_back(line.substr(b, c == std::string::npos ? std::string::npos : c - b));
+            if (c == std::string::npos) {
+                break;
+            }
+            b = c + 1;
+        }
+        if ((fld.size() != 8 && fld.size() != 9) || (n_fields != 0 && fld.size() != n_fields)) {
+            err = format("line %lld is not a trace row (workload,phase,ubatch,token,layer,rank,expert,hit%s): %zu fields",
+                    lineno, n_fields == 9 ? ",ram_hit" : "", fld.size());
+            break;
+        }
+        if (fld[1] != "prefill" && fld[1] != "decode") {
+            err = format("line %lld: phase '%.40s', expected prefill or decode", lineno, fld[1].c_str());
+            break;
+        }
+        long long ub, tok, layer, rank, expert, hit, ram_hit = -1;
+        if (!int_field(fld[2], "ubatch", 0, INT64_MAX, ub) || !int_field(fld[3], "token", 0, INT64_MAX, tok) ||
+            !int_field(fld[4], "layer", LLONG_MIN, LLONG_MAX, layer) || !int_field(fld[5], "rank", LLONG_MIN, LLONG_MAX, rank) ||
+            !int_field(fld[6], "expert", LLONG_MIN, LLONG_MAX, expert) || !int_field(fld[7], "hit", -1, 1, hit) ||
+            (fld.size() == 9 && !int_field(fld[8], "ram_hit", -1, 1, ram_hit))) {
             break;
         }
         if (layer < 0 || layer >= n_layer || !is_moe[layer]) {
-            err = format("line %lld: layer %d is not a MoE layer of this model (%d layers)", lineno, layer, n_layer);
+            err = format("line %lld: layer %lld is not a MoE layer of this model (%d layers)", lineno, layer, n_layer);
             break;
         }
         if (rank < 0 || rank >= n_used) {
-            err = format("line %lld: rank %d, but the model's top-k is %d; the trace is of another shape", lineno, rank, n_used);
+            err = format("line %lld: rank %lld, but the model's top-k is %d; the trace is of another shape", lineno, rank, n_used);
             break;
         }
         if (expert < 0 || expert >= n_expert) {
-            err = format("line %lld: expert %d, but the model has %d experts per layer", lineno, expert, n_expert);
+            err = format("line %lld: expert %lld, but the model has %d experts per layer", lineno, expert, n_expert);
             break;
         }
-        auto [it, fresh] = tok_of.try_emplace({ workload, tok }, (int64_t) tok_of.size());
+        auto [it, fresh] = tok_of.try_emplace({ fld[0], tok }, (int64_t) tok_of.size());
         if (fresh) {
             ids.resize(ids.size() + row, -1);
         }
-        ids[it->second * row + (int64_t) layer * n_used + rank] = expert;
+        ids[it->second * row + (int64_t) layer * n_used + rank] = (int32_t) expert;
     }
-    fclose(f);
+    if (err.empty() && in.bad()) {
+        err = format("read error after line %lld", lineno);
+    }
     if (err.empty() && tok_of.empty()) {
         err = "no trace rows";
     }

@@ -130,6 +130,7 @@ SLOW: dict[str, str | set[str]] = {
         "test_replay_matches_engine_event_for_event",  # 51 s
         "test_replay_matches_engine_on_real_routing",  # 5 s
     },
+    "tests/engine/test_route_replay_files.py": "*",  # 21 engine runs on mangled traces, 0.6 s each
     "tests/engine/test_route_replay.py": {
         "test_a_foreign_trace_changes_the_routing_to_exactly_it",  # 3 s
         "test_replaying_the_models_own_trace_reproduces_it",  # 3 s

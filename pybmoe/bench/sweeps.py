@@ -336,37 +336,73 @@ def _cache_columns(point: Point, rec: dict, reason: str | None) -> dict:
                 below_cycle=rec["below_cycle"], overflow=reason is not None, overflow_reason=reason or "")
 
 
+class TrafficFormatError(ValueError):
+    """A traffic file does not follow the format; the message names the file, the request and field, and what is accepted."""
+
+
+#: Keys of one request of a traffic file.
+TRAFFIC_KEYS = ("prompt", "n_predict", "name")
+#: The most tokens one request may ask for (the engine's n_predict is a 32-bit integer).
+MAX_PREDICT = 2**31 - 1
+
+
 def load_traffic(path: str | os.PathLike | None = None, n_requests: int | None = None,
                  max_predict: int | None = None) -> list[dict]:
     """The requests of a traffic file: ``{"requests": [{"prompt": str, "n_predict": int, "name": str}, ...]}``
-    (or the bare list), the bundled :data:`TRAFFIC` by default. ``n_requests`` keeps the first N;
-    ``max_predict`` caps each request's ``n_predict`` (tokens).
+    (or the bare list), the bundled :data:`TRAFFIC` by default. ``n_predict`` defaults to 64 and
+    ``name`` to ``request-I``; other keys of a request are refused (a misspelt key would otherwise
+    be ignored), other keys beside ``requests`` are kept out of it. ``n_requests`` keeps the first
+    N; ``max_predict`` caps each request's ``n_predict`` (tokens).
 
-    Raises :class:`FileNotFoundError` (no file) or :class:`ValueError` (not that shape, an empty
-    prompt, ``n_predict`` < 1, or ``n_requests`` / ``max_predict`` < 1).
+    Raises :class:`FileNotFoundError` (no file), :class:`TrafficFormatError` (a :class:`ValueError`:
+    not UTF-8 JSON of that shape, an empty prompt, ``n_predict`` not an integer in 1 .. 2^31 - 1,
+    a name that is not a string, an unknown key; the message names the file, the request and the
+    field) or :class:`ValueError` (``n_requests`` / ``max_predict`` < 1).
     """
     path = Path(path) if path is not None else TRAFFIC
     if not path.is_file():
         raise FileNotFoundError(f"traffic file {path} not found; accepted: a JSON file of requests")
+    shape = '{"requests": [{"prompt": "...", "n_predict": N, "name": "..."}, ...]} or that list'
+    data = path.read_bytes()
     try:
-        data = json.loads(path.read_text())
+        text = data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise TrafficFormatError(f"traffic file {path}:{line}: byte "
+                                 f"0x{data[e.start]:02x} is not UTF-8 text; accepted: UTF-8 JSON, {shape}") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"traffic file {path}: not JSON ({e})") from None
+        raise TrafficFormatError(f"traffic file {path}:{e.lineno}: not JSON ({e.msg} at column {e.colno}); "
+                                 f"accepted: {shape}") from None
+    except RecursionError:
+        raise TrafficFormatError(f"traffic file {path}: not JSON (nested too deeply to read); accepted: {shape}") from None
     reqs = data.get("requests") if isinstance(data, dict) else data
     if not isinstance(reqs, list) or not reqs:
-        raise ValueError(f"traffic file {path}: no requests; accepted: {{\"requests\": [{{\"prompt\": ..., "
-                         f"\"n_predict\": N}}, ...]}} or that list")
+        raise TrafficFormatError(f"traffic file {path}: no requests; accepted: {{\"requests\": [{{\"prompt\": ..., "
+                                 f"\"n_predict\": N}}, ...]}} or that list")
     for name, v in (("n_requests", n_requests), ("max_predict", max_predict)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}={v!r} must be an integer >= 1")
     out = []
     for i, r in enumerate(reqs[:n_requests] if n_requests else reqs):
-        prompt, n = (r.get("prompt"), r.get("n_predict", 64)) if isinstance(r, dict) else (None, None)
-        if not isinstance(prompt, str) or not prompt or isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"traffic file {path}: request {i} needs a non-empty \"prompt\" and an integer "
-                             f"\"n_predict\" >= 1, got {r!r:.200}")
-        out.append({"name": r.get("name", f"request-{i}"), "prompt": prompt,
-                    "n_predict": min(n, max_predict) if max_predict else n})
+        if not isinstance(r, dict):
+            raise TrafficFormatError(f"traffic file {path}: request {i} is {type(r).__name__} {r!r:.60}; accepted: an "
+                                     '{"prompt": "...", "n_predict": N, "name": "..."} object')
+        unknown = [str(k) for k in r if k not in TRAFFIC_KEYS]
+        if unknown:
+            raise TrafficFormatError(f"traffic file {path}: request {i} has the key(s) {unknown[:5]}; accepted: "
+                                     f"{', '.join(TRAFFIC_KEYS)}")
+        prompt, n = r.get("prompt"), r.get("n_predict", 64)
+        if not isinstance(prompt, str) or not prompt or isinstance(n, bool) or not isinstance(n, int) \
+                or not 1 <= n <= MAX_PREDICT:
+            raise TrafficFormatError(f"traffic file {path}: request {i} needs a non-empty \"prompt\" and an integer "
+                                     f"\"n_predict\" 1 .. {MAX_PREDICT}, got {r!r:.200}")
+        label = r.get("name", f"request-{i}")
+        if not isinstance(label, str) or not label:
+            raise TrafficFormatError(f"traffic file {path}: request {i} has the name {label!r:.60}; accepted: a "
+                                     "non-empty string")
+        out.append({"name": label, "prompt": prompt, "n_predict": min(n, max_predict) if max_predict else n})
     return out
 
 

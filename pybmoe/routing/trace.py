@@ -40,7 +40,11 @@ the accepted values.
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
+import re
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -157,43 +161,115 @@ def _categorical(values: Any, categories: Sequence[str] | None = None) -> pd.Cat
     return pd.Categorical(values, categories=list(categories))
 
 
+#: Accepted values of the integer columns (inclusive), and of the header's counts.
+_INT_RANGE = {c: ((-1, 1) if c in ("hit", "ram_hit") else (0, int(np.iinfo(dt).max))) for c, dt in _INT_DTYPES.items()}
+_META_RANGE = {"n_layer": (1, int(np.iinfo(np.int16).max) + 1), "n_expert": (1, int(np.iinfo(np.int32).max)),
+               "n_expert_used": (1, int(np.iinfo(np.int16).max) + 1), "slots": (0, int(np.iinfo(np.int32).max)),
+               "inserts": (0, int(np.iinfo(np.int32).max))}
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+_BOM = "\ufeff"
+
+
+def _row(where: str, i: int | None) -> str:
+    return f"{where}: row {i}" if i is not None else where
+
+
+def _int_column(col: pd.Series, c: str, where: str) -> np.ndarray:
+    """``col`` as int64, or :class:`TraceFormatError` naming the first bad row, its value and the accepted range."""
+    lo, hi = _INT_RANGE[c]
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        col = pd.Series(np.asarray(col, dtype=object), index=col.index)
+    dt = col.dtype
+    if pd.api.types.is_bool_dtype(dt) or not (pd.api.types.is_integer_dtype(dt) or pd.api.types.is_float_dtype(dt)
+                                              or pd.api.types.is_object_dtype(dt) or pd.api.types.is_string_dtype(dt)):
+        raise TraceFormatError(f"{where}: column {c!r} has the type {dt}; accepted: integers {lo} .. {hi}")
+    missing = col.isna().to_numpy()
+    if missing.any():
+        i = int(np.flatnonzero(missing)[0])
+        raise TraceFormatError(f"{_row(where, i)}: column {c!r} has a missing value; accepted: integers {lo} .. {hi}")
+    if pd.api.types.is_integer_dtype(dt):
+        raw = col.to_numpy()
+        bad = (raw > hi) if raw.dtype.kind == "u" else (raw < lo) | (raw > hi)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise TraceFormatError(f"{_row(where, i)}: column {c!r} has the value {int(raw[i])}; accepted: {lo} .. {hi}")
+        return raw.astype(np.int64)
+    if pd.api.types.is_float_dtype(dt):
+        raw = col.to_numpy(dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            nonint = ~np.isfinite(raw) | (raw != np.floor(raw))
+        if nonint.any():
+            i = int(np.flatnonzero(nonint)[0])
+            raise TraceFormatError(f"{_row(where, i)}: column {c!r} has the non-integer value {float(raw[i])!r}; "
+                                   f"accepted: integers {lo} .. {hi}")
+        bad = (raw < lo) | (raw > hi)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise TraceFormatError(f"{_row(where, i)}: column {c!r} has the value {raw[i]:.0f}; accepted: {lo} .. {hi}")
+        return raw.astype(np.int64)
+    out = np.empty(len(col), dtype=np.int64)       # Python objects (a frame built by hand): one by one
+    for i, x in enumerate(col.tolist()):
+        if isinstance(x, (bool, np.bool_)):
+            v = None
+        elif isinstance(x, (int, np.integer)):
+            v = int(x)
+        elif isinstance(x, (float, np.floating)):
+            v = int(x) if np.isfinite(x) and x == np.floor(x) else None
+        elif isinstance(x, str) and _INT_TEXT.fullmatch(x.strip()):
+            v = int(x)
+        else:
+            v = None
+        if v is None:
+            raise TraceFormatError(f"{_row(where, i)}: column {c!r} has the non-integer value {x!r:.60}; "
+                                   f"accepted: integers {lo} .. {hi}")
+        if not lo <= v <= hi:
+            raise TraceFormatError(f"{_row(where, i)}: column {c!r} has the value {v}; accepted: {lo} .. {hi}")
+        out[i] = v
+    return out
+
+
 def from_frame(frame: pd.DataFrame, meta: TraceMeta | None = None, source: str = "") -> Trace:
     """Check and normalise a frame with the canonical :data:`COLUMNS` into a :class:`Trace`.
 
     ``hit`` may be missing (filled with -1). Missing ``meta`` fields are inferred: ``n_layer`` =
     max layer + 1, ``n_expert`` = max expert + 1, ``n_expert_used`` = max rank + 1.
-    Raises :class:`TraceFormatError` for a missing column, a bad phase, a negative or
-    out-of-range value (naming the column, the value and the accepted range).
+    Raises :class:`TraceFormatError` for a missing or repeated column, a missing workload, a bad
+    phase, a non-integer, negative or out-of-range value (naming the row, the column, the value
+    and the accepted range).
     """
     where = source or "frame"
+    dup = sorted({str(c) for c in frame.columns[frame.columns.duplicated()]})
+    if dup:
+        raise TraceFormatError(f"{where}: column(s) {dup} appear more than once; accepted: each column once")
     frame = frame.copy()
     if "hit" not in frame.columns:
         frame["hit"] = -1
     missing = [c for c in COLUMNS if c not in frame.columns]
     if missing:
         raise TraceFormatError(f"{where}: missing column(s) {missing}; accepted columns: {', '.join(COLUMNS)}")
-    frame = frame[list(COLUMNS) + [c for c in OPTIONAL_COLUMNS if c in frame.columns]]
-    bad_phase = set(map(str, pd.unique(frame["phase"]))) - set(PHASES)
-    if bad_phase:
-        raise TraceFormatError(f"{where}: phase value(s) {sorted(bad_phase)}; accepted: {', '.join(PHASES)}")
-    out = {"workload": _categorical(frame["workload"]), "phase": _categorical(frame["phase"], PHASES)}
+    frame = frame[list(COLUMNS) + [c for c in OPTIONAL_COLUMNS if c in frame.columns]].reset_index(drop=True)
+    wl = frame["workload"]
+    no_name = wl.isna().to_numpy()
+    if no_name.any():
+        raise TraceFormatError(f"{_row(where, int(np.flatnonzero(no_name)[0]))}: column 'workload' has a missing "
+                               "value; accepted: a name on every row")
+    ph = frame["phase"]
+    if isinstance(ph.dtype, pd.CategoricalDtype):
+        ok_codes = np.array([str(x) in PHASES for x in ph.cat.categories] + [False])   # code -1 (missing): bad
+        bad_phase = ~ok_codes[ph.cat.codes.to_numpy()]
+    else:
+        if pd.api.types.infer_dtype(ph, skipna=False) == "string":    # all str: isin is exact and fast
+            bad_phase = ~ph.isin(PHASES).to_numpy(dtype=bool)
+        else:                  # other objects (an array equal to 'decode' passes isin): one by one
+            bad_phase = ~ph.map(lambda x: isinstance(x, str) and x in PHASES).to_numpy(dtype=bool)
+    if bad_phase.any():
+        first = int(np.flatnonzero(bad_phase)[0])
+        shown = list(dict.fromkeys(repr(x)[:40] for x in ph[bad_phase].head(1000).astype(object)))[:5]
+        raise TraceFormatError(f"{_row(where, first)}: phase value(s) [{', '.join(shown)}]; accepted: {', '.join(PHASES)}")
+    out = {"workload": _categorical(wl), "phase": _categorical(ph, PHASES)}
     for c, dt in _INT_DTYPES.items():
-        if c not in frame.columns:
-            continue
-        col = frame[c]
-        if not pd.api.types.is_integer_dtype(col):
-            num = pd.to_numeric(col, errors="coerce")
-            if num.isna().any() or (num != np.floor(num)).any():
-                bad = col[num.isna() | (num != np.floor(num))].iloc[0]
-                raise TraceFormatError(f"{where}: column {c!r} has the non-integer value {bad!r}; accepted: integers")
-            col = num
-        v = col.to_numpy().astype(np.int64)
-        lo = -1 if c in ("hit", "ram_hit") else 0
-        hi = 1 if c in ("hit", "ram_hit") else np.iinfo(dt).max
-        if len(v) and (v.min() < lo or v.max() > hi):
-            bad = v[(v < lo) | (v > hi)][0]
-            raise TraceFormatError(f"{where}: column {c!r} has the value {bad}; accepted: {lo} .. {hi}")
-        out[c] = v.astype(dt)
+        if c in frame.columns:
+            out[c] = _int_column(frame[c], c, where).astype(dt)
     df = pd.DataFrame(out)
     if len(df) == 0:
         raise TraceFormatError(f"{where}: the trace has no rows; accepted: at least one lookup")
@@ -203,7 +279,8 @@ def from_frame(frame: pd.DataFrame, meta: TraceMeta | None = None, source: str =
                              ("n_expert_used", meta.n_expert_used, inferred.n_expert_used)):
         if have < need:
             col = {"n_layer": "layer", "n_expert": "expert", "n_expert_used": "rank"}[name]
-            raise TraceFormatError(f"{where}: column {col!r} has the value {need - 1} but the header says "
+            i = int(np.flatnonzero(df[col].to_numpy() == need - 1)[0])
+            raise TraceFormatError(f"{_row(where, i)}: column {col!r} has the value {need - 1} but the header says "
                                    f"{name}={have}; accepted: {col} 0 .. {have - 1}")
     return Trace(df, meta, source)
 
@@ -247,86 +324,263 @@ def concat(traces: Iterable[Trace]) -> Trace:
 
 # --------------------------------------------------------------------------- readers
 
+def _kind(v: Any) -> str:
+    """What a JSON value is, in words (for messages)."""
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            float: "a number"}.get(type(v), "an integer" if isinstance(v, int) else type(v).__name__)
+
+
+def _json_int(v: Any, where: str, lo: int, hi: int) -> int:
+    """``v`` when it is a JSON integer in ``lo .. hi`` (not a boolean, not a number with a fraction)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise TraceFormatError(f"{where} is {v!r:.60} ({_kind(v)}); accepted: an integer {lo} .. {hi}")
+    return v
+
+
+def _decode(data: bytes, where: str, line0: int = 1) -> str:
+    """``data`` as UTF-8 text without a leading byte-order mark; :class:`TraceFormatError` names the line of a bad byte."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = line0 + data.count(b"\n", 0, e.start)
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise TraceFormatError(f"{where}:{line}: byte 0x{data[e.start]:02x} at column {col} is not UTF-8 text; "
+                               "accepted: a UTF-8 text file") from None
+    return text[1:] if line0 == 1 and text.startswith(_BOM) else text
+
+
+def _json_loads(text: str, where: str, what: str, line: int | None = None) -> Any:
+    """Parse JSON ``text``; :class:`TraceFormatError` names the line (``line``, or the one in the text) and ``what``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TraceFormatError(f"{where}:{line or e.lineno}: not JSON ({e.msg} at column {e.colno}); "
+                               f"accepted: {what}") from None
+    except RecursionError:
+        raise TraceFormatError(f"{where}{f':{line}' if line else ''}: JSON nested too deeply to read; "
+                               f"accepted: {what}") from None
+
+
 def parse_header(line: str, where: str = "trace") -> TraceMeta:
     """Parse a ``# pybmoe-trace v1 key=value ...`` line into a :class:`TraceMeta`.
 
     Raises :class:`TraceFormatError` for another magic or version, a token that is not
-    ``key=value``, a non-integer known key, or a missing ``n_layer``/``n_expert``/``n_expert_used``.
+    ``key=value``, a key given twice, a known key that is not an integer in its range
+    (``n_layer`` 1 .. 32768, ``n_expert`` 1 .. 2^31 - 1, ``n_expert_used`` 1 .. min(32768,
+    ``n_expert``), ``slots`` and ``inserts`` 0 .. 2^31 - 1), or a missing
+    ``n_layer``/``n_expert``/``n_expert_used``.
     """
     parts = line.strip().split()
     if len(parts) < 3 or " ".join(parts[:2]) != MAGIC:
         raise TraceFormatError(f"{where}: line 1 is {line.strip()[:60]!r}; accepted: '{MAGIC} v{FORMAT_VERSION} key=value ...'")
     if parts[2] != f"v{FORMAT_VERSION}":
-        raise TraceFormatError(f"{where}: trace format {parts[2]!r}; accepted: v{FORMAT_VERSION}")
+        raise TraceFormatError(f"{where}: header: trace format {parts[2][:40]!r}; accepted: v{FORMAT_VERSION}")
     kv: dict[str, str] = {}
     for p in parts[3:]:
         if "=" not in p:
-            raise TraceFormatError(f"{where}: header token {p!r}; accepted: key=value")
+            raise TraceFormatError(f"{where}: header token {p[:60]!r}; accepted: key=value")
         k, v = p.split("=", 1)
+        if k in kv:
+            raise TraceFormatError(f"{where}: header key {k[:40]!r} is given twice; accepted: each key once")
         kv[k] = v
     ints: dict[str, int | None] = {}
     for k in _META_KEYS:
         if k in kv:
-            try:
-                ints[k] = int(kv.pop(k))
-            except ValueError:
-                raise TraceFormatError(f"{where}: header {k}={line.split(k + '=', 1)[1].split()[0]!r}; accepted: an integer") from None
+            v = kv.pop(k)
+            lo, hi = _META_RANGE[k]
+            if not _INT_TEXT.fullmatch(v) or not lo <= int(v) <= hi:
+                raise TraceFormatError(f"{where}: header {k}={v[:40]!r}; accepted: an integer {lo} .. {hi}")
+            ints[k] = int(v)
     need = [k for k in _META_KEYS[:3] if k not in ints]
     if need:
         raise TraceFormatError(f"{where}: header lacks {need}; accepted header keys: {', '.join(_META_KEYS)}")
+    if ints["n_expert_used"] > ints["n_expert"]:
+        raise TraceFormatError(f"{where}: header n_expert_used={ints['n_expert_used']} with n_expert={ints['n_expert']}; "
+                               f"accepted: n_expert_used 1 .. n_expert")
     return TraceMeta(ints["n_layer"], ints["n_expert"], ints["n_expert_used"], ints.get("slots"), ints.get("inserts"), kv)
 
 
+def _check_csv_rows(path: Path, columns: list[str], meta: TraceMeta) -> None:
+    """Scan the rows of an engine CSV line by line and raise :class:`TraceFormatError` at the first bad one
+    (its line, field, value and what is accepted). Used to explain a file the fast reader refused."""
+    bounds = dict(_INT_RANGE)
+    for c, key in (("layer", "n_layer"), ("expert", "n_expert"), ("rank", "n_expert_used")):
+        bounds[c] = (0, getattr(meta, key) - 1)
+    with open(path, "rb") as f:
+        for no, raw in enumerate(f, 1):
+            if no <= 2:
+                continue
+            text = _decode(raw, str(path), no)
+            if not text.strip():
+                continue
+            try:
+                fields = next(csv.reader([text.rstrip("\r\n")], strict=True), [])
+            except csv.Error as e:
+                raise TraceFormatError(f"{path}:{no}: not a CSV row ({e}); accepted: {','.join(columns)}") from None
+            if len(fields) != len(columns):
+                raise TraceFormatError(f"{path}:{no}: {len(fields)} fields; accepted: {len(columns)} "
+                                       f"({','.join(columns)})")
+            for c, v in zip(columns, fields):
+                if c == "phase" and v not in PHASES:
+                    raise TraceFormatError(f"{path}:{no}: phase value(s) [{v[:40]!r}]; accepted: {', '.join(PHASES)}")
+                if c in bounds:
+                    lo, hi = bounds[c]
+                    if not _INT_TEXT.fullmatch(v.strip()):
+                        raise TraceFormatError(f"{path}:{no}: column {c!r} has the non-integer value {v[:40]!r}; "
+                                               f"accepted: integers {lo} .. {hi}")
+                    x = int(v)
+                    if x < lo or x > hi:
+                        key = {"layer": "n_layer", "expert": "n_expert", "rank": "n_expert_used"}.get(c)
+                        if key and x > hi:
+                            raise TraceFormatError(f"{path}:{no}: column {c!r} has the value {x} but the header says "
+                                                   f"{key}={hi + 1}; accepted: {c} 0 .. {hi}")
+                        raise TraceFormatError(f"{path}:{no}: column {c!r} has the value {x}; accepted: {lo} .. {hi}")
+
+
 def read_engine_csv(path: str | Path) -> Trace:
-    """Read an engine CSV (``--moe-trace FILE``, or :func:`write_trace` to ``.csv``). See the module doc."""
+    """Read an engine CSV (``--moe-trace FILE``, or :func:`write_trace` to ``.csv``). See the module doc.
+
+    A UTF-8 byte-order mark before the header is skipped. Raises :class:`TraceFormatError`, naming
+    the line, for a bad header or column line, a row with the wrong number of fields, a value that
+    is not an integer in its column's range, an unknown phase, a workload name with a line break in
+    it, or a last row without its line end (a file cut off in the middle of a row).
+    """
     path = Path(path)
-    with open(path, encoding="utf-8") as f:
-        first = f.readline()
-        second = f.readline().strip()
-    meta = parse_header(first, str(path))
-    if second.split(",") not in (list(COLUMNS), list(COLUMNS + OPTIONAL_COLUMNS)):
+    where = str(path)
+    with open(path, "rb") as f:
+        first = _decode(f.readline(), where, 1)
+        second_raw = f.readline()
+    meta = parse_header(first, where)
+    second = _decode(second_raw, where, 2).strip()
+    columns = second.split(",")
+    if columns not in (list(COLUMNS), list(COLUMNS + OPTIONAL_COLUMNS)):
         raise TraceFormatError(f"{path}: line 2 is {second[:80]!r}; accepted: {','.join(COLUMNS)}"
                                f"[,{','.join(OPTIONAL_COLUMNS)}]")
-    dtypes = {"workload": "category", "phase": "category", **{c: np.int64 for c in _INT_DTYPES}}
+    data = path.read_bytes()
+    NL = b"\n"
+    if not data.endswith(NL):
+        raise TraceFormatError(f"{path}:{data.count(NL) + 1}: the last line has no line end (the file is cut off); "
+                               "accepted: every row ending in a newline, as the engine writes it")
+    if data.count(b"\r") != data.count(b"\r\n"):
+        at = next(m.start() for m in re.finditer(b"\r(?!\n)", data))
+        raise TraceFormatError(f"{path}:{data.count(NL, 0, at) + 1}: a carriage return inside a line; accepted: "
+                               "lines ending in a newline (or CR LF)")
+    # one column more than the header: a row with an extra field fills it (and is refused), where pandas
+    # would otherwise take the first row's extra field for an index or drop it
+    names = columns + ["__extra__"]
+    dtypes = {"workload": "category", "phase": "category", "__extra__": str, **{c: np.int64 for c in _INT_DTYPES}}
     try:
-        df = pd.read_csv(path, skiprows=1, dtype=dtypes, keep_default_na=False, na_filter=False)
-    except ValueError as e:
-        raise TraceFormatError(f"{path}: {e}; accepted: integer columns {', '.join(_INT_DTYPES)}") from None
-    return from_frame(df, meta, str(path))
+        with warnings.catch_warnings():          # pandas warns of the rows it then refuses: the error says it
+            warnings.simplefilter("ignore")
+            df = pd.read_csv(io.BytesIO(data), skiprows=2, header=None, names=names, dtype=dtypes, keep_default_na=False,
+                             na_filter=False, index_col=False, encoding="utf-8")
+        extra = df.pop("__extra__").to_numpy(dtype=str) != ""
+        if extra.any():
+            raise ValueError(f"row {int(np.flatnonzero(extra)[0])} has an extra field")
+        if len(df):
+            broken = [w for w in df["workload"].cat.categories if "\n" in str(w) or "\r" in str(w)]
+            if broken:
+                raise ValueError(f"workload {str(broken[0])[:60]!r} spans lines (an unmatched quote)")
+        return from_frame(df, meta, where)
+    except (ValueError, OverflowError) as e:   # TraceFormatError, pandas' parser errors, UnicodeDecodeError
+        _check_csv_rows(path, columns, meta)   # raises at the first bad line when one is
+        if isinstance(e, TraceFormatError):
+            raise
+        raise TraceFormatError(f"{path}: {e}; accepted: rows of {','.join(columns)} (phase prefill|decode, "
+                               "integer columns in range)") from None
 
 
 def read_parquet(path: str | Path) -> Trace:
-    """Read a Parquet trace written by :func:`write_trace` (meta from the schema metadata, else inferred)."""
+    """Read a Parquet trace written by :func:`write_trace` (meta from the schema metadata, else inferred).
+
+    Raises :class:`TraceFormatError` for a file pyarrow cannot read, a schema header that is not
+    a ``# pybmoe-trace v1`` line, a column that is not one of :data:`COLUMNS` or
+    :data:`OPTIONAL_COLUMNS`, and any bad value (see :func:`from_frame`).
+    """
+    path = Path(path)
     import pyarrow.parquet as pq
-    table = pq.read_table(path)
-    md = table.schema.metadata or {}
-    meta = parse_header(md[b"pybmoe-trace"].decode(), str(path)) if b"pybmoe-trace" in md else None
-    return from_frame(table.to_pandas(), meta, str(path))
+    try:
+        table = pq.read_table(path)
+        md = table.schema.metadata or {}
+        frame = table.to_pandas()
+    except Exception as e:   # noqa: BLE001 - whatever pyarrow raises for a mangled file, named here
+        raise TraceFormatError(f"{path}: not a readable Parquet trace ({type(e).__name__}: {str(e)[:200]}); "
+                               f"accepted: a Parquet file of the columns {', '.join(COLUMNS)}") from None
+    meta = None
+    if b"pybmoe-trace" in md:
+        try:
+            header = md[b"pybmoe-trace"].decode("utf-8")
+        except UnicodeDecodeError:
+            raise TraceFormatError(f"{path}: the schema metadata 'pybmoe-trace' is not UTF-8 text; "
+                                   f"accepted: '{MAGIC} v{FORMAT_VERSION} key=value ...'") from None
+        meta = parse_header(header, f"{path} (schema metadata)")
+    unknown = [str(c) for c in frame.columns if c not in COLUMNS + OPTIONAL_COLUMNS]
+    if unknown:
+        raise TraceFormatError(f"{path}: unknown column(s) {unknown[:5]}; accepted columns: "
+                               f"{', '.join(COLUMNS + OPTIONAL_COLUMNS)}")
+    return from_frame(frame, meta, str(path))
+
+
+def _routing_array(v: Any, where: str, L: int, K: int, E: int) -> np.ndarray | None:
+    """A granite ``[tokens][L][K]`` array of expert ids as int64, None for ``[]``."""
+    if isinstance(v, list) and not v:
+        return None
+    accepted = f"accepted: [tokens, {L}, {K}] expert ids 0 .. {E - 1}"
+    try:
+        arr = np.asarray(v)
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        raise TraceFormatError(f"{where} is not a rectangular array of numbers; {accepted}") from None
+    if arr.ndim != 3 or arr.shape[1:] != (L, K):
+        raise TraceFormatError(f"{where} has shape {arr.shape}; accepted: [tokens, {L}, {K}]")
+    if arr.dtype.kind not in "iu":
+        flat = arr.ravel().tolist()
+        i = next((i for i, x in enumerate(flat) if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < E), 0)
+        t, rest = divmod(i, L * K)
+        raise TraceFormatError(f"{where}[{t}][{rest // K}][{rest % K}] is {flat[i]!r:.40} ({_kind(flat[i])}); "
+                               f"accepted: an integer 0 .. {E - 1}")
+    bad = (arr < 0) | (arr >= E)
+    if bad.any():
+        t, l, k = (int(x) for x in np.argwhere(bad)[0])
+        raise TraceFormatError(f"{where}[{t}][{l}][{k}] is {arr[t, l, k]}; accepted: an expert id 0 .. {E - 1} "
+                               f"(num_experts={E})")
+    return arr.astype(np.int64)
 
 
 def read_granite_json(path: str | Path) -> Trace:
-    """Import the granite routing JSON (see the module doc): one workload per prompt, in file order."""
+    """Import the granite routing JSON (see the module doc): one workload per prompt, in file order.
+
+    Raises :class:`TraceFormatError` naming the field (``num_layers``, ``prompts.NAME.decode[t][l][k]``,
+    ...) for anything that is not that shape: not UTF-8 or not JSON, a count that is not a
+    positive integer, a routing array of another shape, an id that is not an integer below
+    ``num_experts``.
+    """
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise TraceFormatError(f"{path}: not JSON ({e})") from None
+    what = "an object {num_layers, num_experts, top_k, prompts}"
+    doc = _json_loads(_decode(path.read_bytes(), str(path)), str(path), what)
+    if not isinstance(doc, dict):
+        raise TraceFormatError(f"{path}: the document is {_kind(doc)}; accepted: {what}")
     for key in ("num_layers", "num_experts", "top_k", "prompts"):
         if key not in doc:
             raise TraceFormatError(f"{path}: no {key!r}; accepted: {{num_layers, num_experts, top_k, prompts}}")
-    L, E, K = int(doc["num_layers"]), int(doc["num_experts"]), int(doc["top_k"])
+    L = _json_int(doc["num_layers"], f"{path}: num_layers", *_META_RANGE["n_layer"])
+    E = _json_int(doc["num_experts"], f"{path}: num_experts", *_META_RANGE["n_expert"])
+    K = _json_int(doc["top_k"], f"{path}: top_k", 1, min(E, _META_RANGE["n_expert_used"][1]))
+    if not isinstance(doc["prompts"], dict):
+        raise TraceFormatError(f"{path}: prompts is {_kind(doc['prompts'])}; accepted: an object "
+                               "{name: {prefill, decode}}")
     frames = []
     for name, p in doc["prompts"].items():
+        if not isinstance(p, dict):
+            raise TraceFormatError(f"{path}: prompts.{name} is {_kind(p)}; accepted: an object with prefill and "
+                                   "decode arrays")
         t0 = 0
         ub0 = 0
         for phase in PHASES:
             if phase not in p:
                 raise TraceFormatError(f"{path}: prompt {name!r} has no {phase!r}; accepted: prefill and decode arrays")
-            arr = np.asarray(p[phase], dtype=np.int64)
-            if arr.size == 0:
+            arr = _routing_array(p[phase], f"{path}: prompts.{name}.{phase}", L, K, E)
+            if arr is None:
                 continue
-            if arr.ndim != 3 or arr.shape[1:] != (L, K):
-                raise TraceFormatError(f"{path}: prompts.{name}.{phase} has shape {arr.shape}; accepted: [tokens, {L}, {K}]")
             n = arr.shape[0]
             tok, lay, rnk = np.meshgrid(np.arange(n), np.arange(L), np.arange(K), indexing="ij")
             ub = np.zeros_like(tok) if phase == "prefill" else tok
@@ -336,7 +590,7 @@ def read_granite_json(path: str | Path) -> Trace:
             t0 += n
             ub0 += 1 if phase == "prefill" else n
     if not frames:
-        raise TraceFormatError(f"{path}: no prompt has any token")
+        raise TraceFormatError(f"{path}: no prompt has any token; accepted: prompts with prefill or decode tokens")
     return from_frame(pd.concat(frames, ignore_index=True), TraceMeta(L, E, K), str(path))
 
 
@@ -344,30 +598,44 @@ def read_route_jsonl(path: str | Path, *, workload: str | None = None, n_expert:
     """Import a JSONL route log (``{"layer", "token_idx", "topk_ids"}`` per line) as one decode workload.
 
     ``workload`` defaults to the file name without its suffix; ``n_expert`` to max id + 1.
-    Raises :class:`TraceFormatError` naming the line for a bad object, or for ragged ``topk_ids``.
+    Raises :class:`TraceFormatError` naming the line and the field for a line that is not UTF-8
+    or not a JSON object with those keys, a value that is not an integer in its range (``layer``
+    0 .. 32767, ``token_idx`` 0 .. 2^63 - 1, ids 0 .. 2^31 - 2), or ragged ``topk_ids``.
     """
     path = Path(path)
     layers, tokens, ids = [], [], []
     k = None
-    with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, 1):
+    what = '{"layer": int, "token_idx": int, "topk_ids": [int, ...]} on every line'
+    lay_hi = _INT_RANGE["layer"][1]
+    tok_hi = int(np.iinfo(np.int64).max)
+    id_hi = _INT_RANGE["expert"][1] - 1
+    with open(path, "rb") as f:
+        for no, raw in enumerate(f, 1):
+            line = _decode(raw, str(path), no)
             if not line.strip():
                 continue
-            try:
-                o = json.loads(line)
-                lay, tok, top = int(o["layer"]), int(o["token_idx"]), [int(x) for x in o["topk_ids"]]
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise TraceFormatError(f"{path}:{no}: {e!r}; accepted: {{\"layer\": int, \"token_idx\": int, "
-                                       "\"topk_ids\": [int, ...]}}") from None
+            o = _json_loads(line, str(path), what, no)
+            if not isinstance(o, dict):
+                raise TraceFormatError(f"{path}:{no}: the line is {_kind(o)}; accepted: {what}")
+            for key in ("layer", "token_idx", "topk_ids"):
+                if key not in o:
+                    raise TraceFormatError(f"{path}:{no}: no {key!r}; accepted: {what}")
+            lay = _json_int(o["layer"], f"{path}:{no}: layer", 0, lay_hi)
+            tok = _json_int(o["token_idx"], f"{path}:{no}: token_idx", 0, tok_hi)
+            if not isinstance(o["topk_ids"], list):
+                raise TraceFormatError(f"{path}:{no}: topk_ids is {_kind(o['topk_ids'])}; accepted: {what}")
+            top = [_json_int(x, f"{path}:{no}: topk_ids[{j}]", 0, id_hi) for j, x in enumerate(o["topk_ids"])]
             if k is None:
                 k = len(top)
             if len(top) != k or k == 0:
                 raise TraceFormatError(f"{path}:{no}: {len(top)} topk_ids; accepted: {k or 'at least 1'} on every line")
+            if k > _META_RANGE["n_expert_used"][1]:
+                raise TraceFormatError(f"{path}:{no}: {k} topk_ids; accepted: 1 .. {_META_RANGE['n_expert_used'][1]}")
             layers.append(lay)
             tokens.append(tok)
             ids.append(top)
     if k is None:
-        raise TraceFormatError(f"{path}: no route lines")
+        raise TraceFormatError(f"{path}: no route lines; accepted: {what}")
     tok_arr = np.asarray(tokens, dtype=np.int64)
     _, dense = np.unique(tok_arr, return_inverse=True)
     n = len(layers)
@@ -383,23 +651,27 @@ def read_route_jsonl(path: str | Path, *, workload: str | None = None, n_expert:
 
 
 def sniff_format(path: str | Path) -> str:
-    """The format of a trace file: ``engine``, ``parquet``, ``granite`` or ``jsonl`` (from its first bytes)."""
+    """The format of a trace file: ``engine``, ``parquet``, ``granite`` or ``jsonl`` (from its first bytes;
+    a UTF-8 byte-order mark is skipped; a first line that is a JSON object with ``topk_ids`` is JSONL)."""
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(4096)
+        if head.startswith(b"\xef\xbb\xbf"):
+            head = head[3:]
+        first_line = (head.split(b"\n", 1)[0] + (b"" if b"\n" in head else f.readline(1 << 20))).lstrip()
     if head.startswith(b"PAR1"):
         return "parquet"
     if head.startswith(MAGIC.encode()):
         return "engine"
     text = head.lstrip()
     if text.startswith(b"{"):
-        first_line = text.split(b"\n", 1)[0]
         try:
             o = json.loads(first_line)
             if isinstance(o, dict) and "topk_ids" in o:
                 return "jsonl"
-        except json.JSONDecodeError:
-            pass
+        except (ValueError, RecursionError):    # not JSON or not UTF-8: the reader of its kind says where
+            if b'"topk_ids"' in first_line:
+                return "jsonl"
         return "granite"
     raise TraceFormatError(f"{path}: unknown trace format (starts with {head[:24]!r}); accepted: engine CSV "
                            f"('{MAGIC} v{FORMAT_VERSION}'), Parquet, granite JSON, JSONL route log")
