@@ -50,7 +50,7 @@ static void llama_moe_stream_op(ggml_tensor * dst, const ggml_tensor * a, int it
         return;
     }
     auto * op = (llama_moe_stream_layer::op_data *) userdata;
-    op->tier->step(*op->owner, op->li, a);
+    op->tier->step(*op->owner, op->li, a, op->vram_served);
     // the ids pass through unchanged: the MUL_MAT_IDs that read them now run after the reads
     for (int64_t r = 0; r < a->ne[1]; ++r) {
         for (int64_t k = 0; k < a->ne[0]; ++k) {
@@ -65,8 +65,13 @@ ggml_tensor * llama_moe_stream::graph_ids(const llama_moe_cache * owner, ggml_co
         return selected;
     }
     auto & l = layers[index_of(il)];
-    l.op = { owner, this, l.li };
-    ggml_tensor * out = ggml_map_custom1(ctx, selected, llama_moe_stream_op, 1, &l.op);
+    l.op[0] = { owner, this, l.li, false };
+    l.op[1] = { owner, this, l.li, true };
+    // the VRAM tier serves ubatches of up to max_batch tokens (llama_moe_cache_graph_layer); a larger
+    // one (a prefill, or continuous batching's mix) builds the stock graph, where the host computes
+    // every expert, those resident on a device too: they must be looked up and read here
+    const bool served = owner->vram.enabled() && owner->vram.layer(il) != nullptr && selected->ne[1] <= owner->max_batch;
+    ggml_tensor * out = ggml_map_custom1(ctx, selected, llama_moe_stream_op, 1, &l.op[served ? 1 : 0]);
     ggml_format_name(out, "blk.%d.ffn_moe_stream", il);
     return out;
 }
@@ -135,13 +140,14 @@ void llama_moe_stream::release(const std::vector<int32_t> & entries) {
 #endif
 }
 
-void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggml_tensor * ids) {
+void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggml_tensor * ids, bool vram_served) {
     auto & l = layers[li];
     const int64_t n_used = ids->ne[0];
     const int64_t n_rows = ids->ne[1];
 
-    // the VRAM tier's published table: experts resident on the device are computed there
-    const llama_moe_cache_layer * vl = owner.vram.enabled() ? owner.vram.layer(l.il) : nullptr;
+    // the VRAM tier's published table: experts resident on the device are computed there, when the
+    // VRAM tier serves this step (in a stock step the host computes them too)
+    const llama_moe_cache_layer * vl = vram_served && owner.vram.enabled() ? owner.vram.layer(l.il) : nullptr;
     const int32_t * vtable = vl ? (const int32_t *) vl->host_table->data : nullptr;
 
     std::vector<int32_t> want;   // lookups of this tier, in router order

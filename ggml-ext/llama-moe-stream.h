@@ -46,12 +46,14 @@ struct llama_moe_stream_layer {
     uint64_t hits   = 0;
     uint64_t misses = 0;
 
-    // the graph op's user data
+    // the graph op's user data: op[1] for a step the VRAM tier serves (the experts resident on a
+    // device are computed there and skipped here), op[0] for a stock step (every expert on the host)
     struct op_data {
         const llama_moe_cache * owner;
         llama_moe_stream *      tier;
         int32_t                 li;
-    } op;
+        bool                    vram_served;
+    } op[2];
 
     size_t entry_bytes() const {
         return expert_nbytes[0] + expert_nbytes[1] + expert_nbytes[2];
@@ -107,8 +109,9 @@ struct llama_moe_stream {
     // or `selected` itself when the layer is not streamed
     ggml_tensor * graph_ids(const llama_moe_cache * owner, ggml_context * ctx, ggml_tensor * selected, int il);
 
-    // the op's work for one layer step (ids: I32 [n_used, n_rows], any strides)
-    void step(const llama_moe_cache & owner, int32_t li, const ggml_tensor * ids);
+    // the op's work for one layer step (ids: I32 [n_used, n_rows], any strides); `vram_served`: the
+    // VRAM tier serves this step (its graph has the cache chain), so its residents are not looked up
+    void step(const llama_moe_cache & owner, int32_t li, const ggml_tensor * ids, bool vram_served);
 
     // drops entries' bytes (whole pages inside the expert's range go back to the kernel)
     void release(const std::vector<int32_t> & entries);

@@ -131,6 +131,10 @@ SLOW: dict[str, str | set[str]] = {
         "test_replay_matches_engine_on_real_routing",  # 5 s
     },
     "tests/engine/test_route_replay_files.py": "*",  # 21 engine runs on mangled traces, 0.6 s each
+    "tests/engine/test_load.py": {
+        "test_under_load_every_answer_is_right_and_counted",  # about 70 s a configuration
+    },
+    "tests/engine/test_reliability.py": "*",  # 6 scenarios x 2 tiers and the device kills: about 4 min
     "tests/engine/test_route_replay.py": {
         "test_a_foreign_trace_changes_the_routing_to_exactly_it",  # 3 s
         "test_replaying_the_models_own_trace_reproduces_it",  # 3 s

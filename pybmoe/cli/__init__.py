@@ -20,6 +20,7 @@ VERBS = {
     "size": "recommend --moe-expert-cache slots for a model and a device budget (hit rate from --trace)",
     "sweep": "benchmark the cache with llama-bench or llama-server requests (CSV + PNG)",
     "bench-stream": "benchmark the disk tier against stock mmap under a memory limit (CSV + PNG)",
+    "load": "8 clients against one llama-server -np 8 with churning tiers: every answer checked (CSV)",
     "backend-ops": "run test-backend-ops' duplicate-expert-id MUL_MAT_ID cases on each backend",
     "vendor": "fetch, verify, unpack and patch the pinned upstream llama.cpp",
     "patches": "the patch series: list | check | export | rebase --onto VERSION",
@@ -36,6 +37,7 @@ _MODULES = {
     "size": "size",
     "sweep": "sweep",
     "bench-stream": "bench_stream",
+    "load": "load",
     "backend-ops": "backend_ops",
 }
 
