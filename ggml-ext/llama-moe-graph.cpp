@@ -72,6 +72,9 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
         return nullptr;
     }
     mc->vram.routed[mc->vram.layer_of_il[d.il]] = true;
+    if (mc->stream.on()) {
+        mc->stream.mark_vram_served(d.selected); // the host chain skips the residents: so does the read
+    }
     return l;
 }
 

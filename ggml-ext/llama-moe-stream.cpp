@@ -44,13 +44,20 @@ void llama_moe_stream::unmap() {
 #endif
 }
 
+// the stream op's flag "the VRAM tier serves this step" lives in the last int of the node's op_params,
+// past the custom op's own parameters (function, task count, user data: 24 bytes on 64-bit), so that
+// each graph carries its own answer: llama_moe_cache_graph_layer sets it, after the op is built
+static constexpr int LLAMA_MOE_STREAM_SERVED_PARAM = GGML_MAX_OP_PARAMS / sizeof(int32_t) - 1;
+static_assert(2 * sizeof(void *) + sizeof(int) + sizeof(void *) <= LLAMA_MOE_STREAM_SERVED_PARAM * sizeof(int32_t),
+        "the custom op's parameters reach the stream op's flag");
+
 static void llama_moe_stream_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
         return;
     }
     auto * op = (llama_moe_stream_layer::op_data *) userdata;
-    op->tier->step(*op->owner, op->li, a, op->vram_served);
+    op->tier->step(*op->owner, op->li, a, dst->op_params[LLAMA_MOE_STREAM_SERVED_PARAM] != 0);
     // the ids pass through unchanged: the MUL_MAT_IDs that read them now run after the reads
     for (int64_t r = 0; r < a->ne[1]; ++r) {
         for (int64_t k = 0; k < a->ne[0]; ++k) {
@@ -65,15 +72,19 @@ ggml_tensor * llama_moe_stream::graph_ids(const llama_moe_cache * owner, ggml_co
         return selected;
     }
     auto & l = layers[index_of(il)];
-    l.op[0] = { owner, this, l.li, false };
-    l.op[1] = { owner, this, l.li, true };
-    // the VRAM tier serves ubatches of up to max_batch tokens (llama_moe_cache_graph_layer); a larger
-    // one (a prefill, or continuous batching's mix) builds the stock graph, where the host computes
-    // every expert, those resident on a device too: they must be looked up and read here
-    const bool served = owner->vram.enabled() && owner->vram.layer(il) != nullptr && selected->ne[1] <= owner->max_batch;
-    ggml_tensor * out = ggml_map_custom1(ctx, selected, llama_moe_stream_op, 1, &l.op[served ? 1 : 0]);
+    l.op = { owner, this, l.li };
+    ggml_tensor * out = ggml_map_custom1(ctx, selected, llama_moe_stream_op, 1, &l.op);
     ggml_format_name(out, "blk.%d.ffn_moe_stream", il);
+    // not served by the VRAM tier until llama_moe_cache_graph_layer says so: a stock step (a prefill, a
+    // batch over the max batch, LoRA) computes every expert on the host, device residents too
+    out->op_params[LLAMA_MOE_STREAM_SERVED_PARAM] = 0;
     return out;
+}
+
+void llama_moe_stream::mark_vram_served(ggml_tensor * ids) const {
+    if (ids != nullptr && ids->op == GGML_OP_MAP_CUSTOM1 && strstr(ids->name, ".ffn_moe_stream") != nullptr) {
+        ids->op_params[LLAMA_MOE_STREAM_SERVED_PARAM] = 1;
+    }
 }
 
 int32_t llama_moe_stream::pin(int32_t il, int32_t e, const void * mem[LLAMA_MOE_N_PROJ]) {

@@ -46,14 +46,13 @@ struct llama_moe_stream_layer {
     uint64_t hits   = 0;
     uint64_t misses = 0;
 
-    // the graph op's user data: op[1] for a step the VRAM tier serves (the experts resident on a
-    // device are computed there and skipped here), op[0] for a stock step (every expert on the host)
+    // the graph op's user data (whether the VRAM tier serves the step is the node's own flag:
+    // llama_moe_stream::mark_vram_served)
     struct op_data {
         const llama_moe_cache * owner;
         llama_moe_stream *      tier;
         int32_t                 li;
-        bool                    vram_served;
-    } op[2];
+    } op;
 
     size_t entry_bytes() const {
         return expert_nbytes[0] + expert_nbytes[1] + expert_nbytes[2];
@@ -108,6 +107,11 @@ struct llama_moe_stream {
     // the ids layer il's MUL_MAT_IDs use: `selected` through the op that makes its experts resident,
     // or `selected` itself when the layer is not streamed
     ggml_tensor * graph_ids(const llama_moe_cache * owner, ggml_context * ctx, ggml_tensor * selected, int il);
+
+    // `ids` (graph_ids' output) is in a step whose graph the VRAM tier serves: the experts resident in
+    // its slots are computed there, so the op neither looks them up nor reads them. Called by
+    // llama_moe_cache_graph_layer, the one place that decides; without it the op reads every expert.
+    void mark_vram_served(ggml_tensor * ids) const;
 
     // the op's work for one layer step (ids: I32 [n_used, n_rows], any strides); `vram_served`: the
     // VRAM tier serves this step (its graph has the cache chain), so its residents are not looked up

@@ -402,10 +402,16 @@ def stream_budget_mib(model: Path) -> int:
 def server_args(model: Path, rpc_endpoint: str, parallel: int, ctx_slot: int, threads: int, slots: int = 0,
                 inserts: int = 0, stream_mib: int | None = None, trace: Path | None = None) -> list[str]:
     """llama-server flags: the loopback layout, ``parallel`` slots of ``ctx_slot`` tokens each,
-    continuous batching, ``--metrics``; the VRAM tier when ``slots`` > 0, the disk tier when
-    ``stream_mib`` is given (MiB); ``trace``: a ``--moe-trace`` file."""
+    continuous batching, ``--metrics``, flash attention off; the VRAM tier when ``slots`` > 0, the
+    disk tier when ``stream_mib`` is given (MiB); ``trace``: a ``--moe-trace`` file.
+
+    Flash attention is off (``-fa off``) on the references and under load alike: its online softmax
+    over a batch's KV cells rounds differently with the batch's make-up, so stock llama.cpp without
+    any tier answered 2 of 320 requests (the 90-token prompts) differently from the lone run, at
+    tokens that were no near tie (docs/reliability.md). With it off, stock under load is bit-identical
+    to the lone run, and any difference is the tiers'."""
     args = ["-m", str(model), *engine.host_experts_args(rpc_endpoint), "-c", str(parallel * ctx_slot),
-            "-np", str(parallel), "-cb", "-t", str(threads), "--no-warmup", "--metrics"]
+            "-np", str(parallel), "-cb", "-t", str(threads), "--no-warmup", "--metrics", "-fa", "off"]
     if slots:
         args += engine.cache_args(slots, inserts)
     if stream_mib is not None:

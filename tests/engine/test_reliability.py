@@ -111,13 +111,14 @@ def test_the_next_request_equals_a_fresh_process(tier_server, scenario):
     assert _probe(srv) == want, f"{tier}: the request after {scenario} differs from a fresh process"
 
 
-@pytest.mark.xfail(strict=False, reason="both tiers: a prompt after a finished request can still differ from a fresh "
-                                        "process (an engine bug, docs/reliability.md); the stock-step half is fixed")
 def test_both_tiers_a_prompt_after_a_finished_request_equals_a_fresh_process(model_q8, tmp_path):
     """Found by the load test: with both tiers on, a prefill (a stock step: every expert on the host)
     skipped the experts resident in the VRAM tier's slots, so the host computed them from RAM the disk
-    tier had given back; the second prompt on a server differed from the first. That half is fixed
-    (ggml-ext/llama-moe-stream.cpp); with this probe the second answer still differs."""
+    tier had given back; the second prompt on a server differed from the first. A first fix decided
+    "served" from the layer's rows, which in the last layer are only the output rows (1 <= max batch
+    in a prefill of many tokens), and still skipped there. Now the one place that builds the VRAM
+    chain (llama_moe_cache_graph_layer) marks the disk tier's op of that graph
+    (llama_moe_stream::mark_vram_served), and nothing else skips."""
     with engine.RpcServer(threads=1, log_dir=tmp_path) as rpc:  # its own: a device serves one client at a time
         args = ["-m", str(model_q8), *engine.host_experts_args(rpc.endpoint), "-c", str(CTX), "-np", "1", "-t", "2",
                 "--no-warmup", *engine.cache_args(6, 1), "--moe-stream-cache-mb", str(load.stream_budget_mib(model_q8))]
@@ -193,10 +194,8 @@ def test_a_device_that_goes_away_ends_the_server_with_a_message(model_q8, tmp_pa
     assert "recv failed" in log or "send failed" in log  # whichever call met the closed socket
 
 
-@pytest.mark.xfail(strict=True, reason="the RPC backend's abort names no endpoint: 'Remote RPC server crashed or "
-                                       "returned malformed response' (upstream ggml-rpc.cpp, RPC_STATUS_ASSERT); "
-                                       "docs/reliability.md")
 def test_the_exit_message_names_the_device(model_q8, tmp_path):
+    """The client's send/recv failure line names the RPC server that went away (patch 0027)."""
     srv, got, exited, _ = _generation_then_kill(model_q8, tmp_path, engine.cache_args(6, 1))
     assert exited is not None
     endpoint = srv.args[srv.args.index("--rpc") + 1]
