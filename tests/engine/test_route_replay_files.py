@@ -1,10 +1,9 @@
-"""--moe-route-replay with a mangled trace file (issue 16, "Files from outside"): the engine's loader
+"""--moe-route-replay with a mangled trace file ("Files from outside"): the engine's loader
 (ggml-ext/llama-moe-replay.cpp) must refuse it with the file, the line and what it expected, and
 exit non-zero: never a crash (a signal), a hang, or a run on a misread routing.
 
-The cases marked ``fixed`` were accepted silently (or misreported) before the loader checked every
-field; they run once the installed engine has that loader (it is recognised by one of its new
-messages) and are skipped, saying so, on an engine built before it."""
+The cases of ``test_a_misread_the_loader_let_through_is_refused`` were accepted silently (or
+misreported) before the loader checked every field."""
 from __future__ import annotations
 
 import random
@@ -18,15 +17,6 @@ from pybmoe import engine
 COLUMNS = "workload,phase,ubatch,token,layer,rank,expert,hit\n"
 # the embedded default model: 4 MoE layers, 16 experts, top-4
 ROWS = "".join(f"engine,decode,0,0,{layer},{rank},{(layer + rank) % 16},-1\n" for layer in range(4) for rank in range(4))
-
-
-def _engine_checks_every_field() -> bool:
-    lib = Path(engine.find_binary("pybmoe-logits")).resolve().parents[1] / "llama_cpp" / "lib" / "libllama.so"
-    return lib.is_file() and b"the file is cut off (every row ends in a newline)" in lib.read_bytes()
-
-
-fixed = pytest.mark.skipif(not _engine_checks_every_field(),
-                           reason="the installed engine predates the replay loader's field checks: rebuild it")
 
 
 def _replay(model, rpc, tmp_path, data: bytes):
@@ -64,7 +54,6 @@ def test_a_file_of_random_bytes_is_refused(model_q8, rpc, tmp_path, seed):
     _replay(model_q8, rpc, tmp_path, bytes(rnd.randrange(256) for _ in range(4096)))
 
 
-@fixed
 @pytest.mark.parametrize("data, why", [
     # another column order: was replayed with ubatch/token and expert/hit swapped
     (("workload,phase,token,ubatch,layer,rank,hit,expert\n" + ROWS).encode(),
@@ -83,13 +72,20 @@ def test_a_misread_the_loader_let_through_is_refused(model_q8, rpc, tmp_path, da
     assert why in _replay(model_q8, rpc, tmp_path, data)
 
 
-@fixed
 def test_a_byte_order_mark_and_crlf_lines_replay(model_q8, rpc, tmp_path):
-    """A trace saved by an editor (a UTF-8 BOM, CR LF line ends) replays like the plain one."""
-    path = tmp_path / "bom.csv"
-    path.write_bytes(b"\xef\xbb\xbf" + ("# pybmoe-trace v1\r\n" + COLUMNS + ROWS).replace("\n", "\r\n").encode())
-    cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(tmp_path / "l.bin"), "-m", str(model_q8),
-           "-p", "hi", "-n", "2", "-t", "2", "--fit", "off", *engine.host_experts_args(rpc.endpoint),
-           "--moe-route-replay", str(path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "moe-route-replay: 4 MoE layers take their experts from" in r.stderr, r.stderr[-1500:]
+    """A trace saved by an editor (a UTF-8 BOM, CR LF line ends) replays like the plain one: the same
+    logits, bit for bit."""
+    plain = tmp_path / "plain.csv"
+    plain.write_text("# pybmoe-trace v1\n" + COLUMNS + ROWS)
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + ("# pybmoe-trace v1\r\n" + COLUMNS + ROWS).replace("\n", "\r\n").encode())
+    out = {}
+    for path in (plain, bom):
+        cmd = [str(engine.find_binary("pybmoe-logits")), "--logits-out", str(tmp_path / f"{path.stem}.bin"),
+               "-m", str(model_q8), "-p", "hi", "-n", "2", "-t", "2", "--fit", "off",
+               *engine.host_experts_args(rpc.endpoint), "--moe-route-replay", str(path)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        log = r.stdout + r.stderr
+        assert r.returncode == 0 and "moe-route-replay: 4 MoE layers take their experts from" in log, log[-1500:]
+        out[path.stem] = (tmp_path / f"{path.stem}.bin").read_bytes()
+    assert out["bom"] == out["plain"] and len(out["plain"]) > 0
