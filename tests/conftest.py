@@ -117,6 +117,9 @@ SLOW: dict[str, str | set[str]] = {
         "test_slots_above_n_expert_are_clamped_with_one_line",  # 4 s
     },
     "tests/engine/test_cache_sizing.py": {
+        "test_auto_counts_a_draft_model",  # 5 s
+        "test_a_cache_that_never_serves_warns_per_layer",  # 4 s
+        "test_auto_counts_an_mtp_draft_context",  # 3 s
         "test_a_dense_model_is_inert_with_one_info_line",  # 3 s
         "test_auto_sets_aside_the_contexts_memory",  # 6 s
         "test_experts_in_a_cpu_buffer_without_mmap_do_not_warn",  # 4 s
@@ -126,9 +129,13 @@ SLOW: dict[str, str | set[str]] = {
         "test_two_devices_each_sized_and_exact",  # 6 s
     },
     "tests/engine/test_engine_replay.py": {
+        "test_replay_matches_engine_with_second_miss_admission",  # 4 s a case
         "test_demo_replays_granite_routing",  # 4 s
         "test_replay_matches_engine_event_for_event",  # 51 s
         "test_replay_matches_engine_on_real_routing",  # 5 s
+    },
+    "tests/engine/test_cache_async.py": {
+        "test_both_modes_are_bit_identical_to_cache_off",  # 4-5 s a case, 9 cases
     },
     "tests/engine/test_route_replay_files.py": "*",  # 21 engine runs on mangled traces, 0.6 s each
     "tests/engine/test_load.py": {
@@ -145,11 +152,13 @@ SLOW: dict[str, str | set[str]] = {
         "test_ubatches_bit_identical",  # 28 s
     },
     "tests/engine/test_stream_identity.py": {
+        "test_a_split_gguf_is_streamed_in_place",  # 14 s each
         "test_streamed_logits_equal_all_resident",  # 24 s
         "test_the_dense_policies_change_no_logit",  # 4 s
         "test_the_engines_stream_hits_equal_the_simulators_global_lru",  # 4 s
     },
     "tests/engine/test_upstream_server.py": "*",  # 37 s
+    "tests/engine/test_vulkan.py": "*",  # 4-12 s a test where a Vulkan build exists (CI builds one)
     "tests/models/test_arch_deepseek2.py": {
         "test_generates_and_the_bias_routes",  # 12 s
     },
@@ -169,6 +178,7 @@ SLOW: dict[str, str | set[str]] = {
         "test_map_keeps_the_curve_at_the_same_fraction_of_experts",  # 3 s
     },
     "tests/test_readme.py": {
+        "test_the_test_commands_show_progress_by_file_and_have_a_fast_subset",  # 8 s
         "test_the_loopback_flow_runs_as_pasted",  # 10 s
         "test_pybmoe_demo_prints_the_readme_samples_lines",  # 40 s
     },
