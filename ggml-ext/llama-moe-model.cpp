@@ -78,6 +78,14 @@ const llama_moe_cache * llama_moe_cache_active(const llama_model & model) {
     return mc && mc->active() ? mc : nullptr;
 }
 
+bool llama_moe_cache::busy(const char * fn, const char * tier, const char * what) const {
+    if (n_busy.load() == 0) {
+        return false;
+    }
+    LLAMA_LOG_ERROR("%s: %s: a graph is being computed; %s between generations\n", fn, tier, what);
+    return true;
+}
+
 //
 // the step around each ubatch's graph
 //

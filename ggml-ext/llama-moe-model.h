@@ -68,4 +68,9 @@ struct llama_moe_cache {
     bool active() const {
         return vram.enabled() || stream.on() || trace.on() || replay.on();
     }
+
+    // a setting that must change between generations while a graph is being computed: one ERROR line,
+    // "<fn>: <tier>: a graph is being computed; <what> between generations", and true (the C setters
+    // then return -2)
+    bool busy(const char * fn, const char * tier, const char * what) const;
 };

@@ -290,8 +290,7 @@ int32_t llama_model_moe_stream_set_budget_mib(llama_model * model, int32_t budge
         LLAMA_LOG_ERROR("%s: moe-stream: the stream tier is off; nothing to resize\n", __func__);
         return -1;
     }
-    if (mc->n_busy.load() > 0) {
-        LLAMA_LOG_ERROR("%s: moe-stream: a graph is being computed; resize between generations\n", __func__);
+    if (mc->busy(__func__, "moe-stream", "resize")) {
         return -2;
     }
     auto & st = mc->stream;

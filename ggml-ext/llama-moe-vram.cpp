@@ -408,8 +408,7 @@ int32_t llama_model_moe_cache_set_slots(llama_model * model, int32_t n_slots) {
         LLAMA_LOG_ERROR("%s: moe-cache: the cache is off; nothing to resize\n", __func__);
         return -1;
     }
-    if (mc->n_busy.load() > 0) {
-        LLAMA_LOG_ERROR("%s: moe-cache: a graph is being computed; resize between generations\n", __func__);
+    if (mc->busy(__func__, "moe-cache", "resize")) {
         return -2;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
@@ -436,8 +435,7 @@ int32_t llama_model_moe_cache_set_warmup(llama_model * model, int32_t n_per_laye
         LLAMA_LOG_ERROR("%s: moe-cache: warm-up %d refused: the cache is off, or the value is negative\n", __func__, n_per_layer);
         return -1;
     }
-    if (mc->n_busy.load() > 0) {
-        LLAMA_LOG_ERROR("%s: moe-cache: a graph is being computed; change the warm-up between generations\n", __func__);
+    if (mc->busy(__func__, "moe-cache", "change the warm-up")) {
         return -2;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
@@ -468,8 +466,7 @@ int32_t llama_model_moe_cache_set_upload_budget_mib(llama_model * model, int32_t
                 "(%.2f MiB)\n", __func__, budget_mib, expert/1024.0/1024.0);
         return -1;
     }
-    if (mc->n_busy.load() > 0) {
-        LLAMA_LOG_ERROR("%s: moe-cache: a graph is being computed; change the upload budget between generations\n", __func__);
+    if (mc->busy(__func__, "moe-cache", "change the upload budget")) {
         return -2;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
@@ -486,8 +483,7 @@ int32_t llama_model_moe_cache_set_admit_window(llama_model * model, int32_t wind
                 "that is on\n", __func__, window, LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX);
         return -1;
     }
-    if (mc->n_busy.load() > 0) {
-        LLAMA_LOG_ERROR("%s: moe-cache: a graph is being computed; change the admission between generations\n", __func__);
+    if (mc->busy(__func__, "moe-cache", "change the admission")) {
         return -2;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
@@ -508,8 +504,7 @@ int32_t llama_model_moe_cache_set_sync(llama_model * model, bool sync) {
         LLAMA_LOG_ERROR("%s: moe-cache: the cache is off\n", __func__);
         return -1;
     }
-    if (mc->n_busy.load() > 0) {
-        LLAMA_LOG_ERROR("%s: moe-cache: a graph is being computed; change the mode between generations\n", __func__);
+    if (mc->busy(__func__, "moe-cache", "change the mode")) {
         return -2;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
