@@ -72,9 +72,6 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
         return nullptr;
     }
     mc->vram.routed[mc->vram.layer_of_il[d.il]] = true;
-    if (mc->stream.on()) {
-        mc->stream.mark_vram_served(d.selected); // the host chain skips the residents: so does the read
-    }
     return l;
 }
 
@@ -173,6 +170,8 @@ ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, 
                 "chain (%s); stock graph there", l->il, ch.why.empty() ? "it has no cached projection" : ch.why.c_str());
         return out_h;
     }
+    // the host chain will skip the residents: so does the disk tier's read, when `selected` is its op
+    llama_moe_stream_mark_vram_served(selected);
 
     const int64_t n_used   = selected->ne[0];
     const int64_t n_tokens = selected->ne[1];

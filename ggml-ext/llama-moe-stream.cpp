@@ -81,7 +81,7 @@ ggml_tensor * llama_moe_stream::graph_ids(const llama_moe_cache * owner, ggml_co
     return out;
 }
 
-void llama_moe_stream::mark_vram_served(ggml_tensor * ids) const {
+void llama_moe_stream_mark_vram_served(ggml_tensor * ids) {
     if (ids != nullptr && ids->op == GGML_OP_MAP_CUSTOM1 && strstr(ids->name, ".ffn_moe_stream") != nullptr) {
         ids->op_params[LLAMA_MOE_STREAM_SERVED_PARAM] = 1;
     }

@@ -47,7 +47,7 @@ struct llama_moe_stream_layer {
     uint64_t misses = 0;
 
     // the graph op's user data (whether the VRAM tier serves the step is the node's own flag:
-    // llama_moe_stream::mark_vram_served)
+    // llama_moe_stream_mark_vram_served)
     struct op_data {
         const llama_moe_cache * owner;
         llama_moe_stream *      tier;
@@ -108,11 +108,6 @@ struct llama_moe_stream {
     // or `selected` itself when the layer is not streamed
     ggml_tensor * graph_ids(const llama_moe_cache * owner, ggml_context * ctx, ggml_tensor * selected, int il);
 
-    // `ids` (graph_ids' output) is in a step whose graph the VRAM tier serves: the experts resident in
-    // its slots are computed there, so the op neither looks them up nor reads them. Called by
-    // llama_moe_cache_graph_layer, the one place that decides; without it the op reads every expert.
-    void mark_vram_served(ggml_tensor * ids) const;
-
     // the op's work for one layer step (ids: I32 [n_used, n_rows], any strides); `vram_served`: the
     // VRAM tier serves this step (its graph has the cache chain), so its residents are not looked up
     void step(const llama_moe_cache & owner, int32_t li, const ggml_tensor * ids, bool vram_served);
@@ -141,3 +136,9 @@ struct llama_moe_stream {
 // llama-moe-stream-init.cpp: the C API's init (layer selection, sizing, reservations, preamble)
 int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t floor_mib, int32_t ceil_mib,
                               int32_t io_threads, int32_t n_ubatch);
+
+// `ids` (llama_moe_stream::graph_ids' output; any other tensor is left alone) is in a graph whose layer
+// the VRAM tier serves: the experts resident in its slots are computed there, so the op neither looks
+// them up nor reads them. Called by llama_moe_cache_build_split once the VRAM chain is built, the one
+// place that knows; without it (a stock step, a chain that could not be split) the op reads every expert.
+void llama_moe_stream_mark_vram_served(ggml_tensor * ids);

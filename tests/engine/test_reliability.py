@@ -117,8 +117,8 @@ def test_both_tiers_a_prompt_after_a_finished_request_equals_a_fresh_process(mod
     tier had given back; the second prompt on a server differed from the first. A first fix decided
     "served" from the layer's rows, which in the last layer are only the output rows (1 <= max batch
     in a prefill of many tokens), and still skipped there. Now the one place that builds the VRAM
-    chain (llama_moe_cache_graph_layer) marks the disk tier's op of that graph
-    (llama_moe_stream::mark_vram_served), and nothing else skips."""
+    chain (llama_moe_cache_build_split) marks the disk tier's op of that graph
+    (llama_moe_stream_mark_vram_served) once the chain is built, and nothing else skips."""
     with engine.RpcServer(threads=1, log_dir=tmp_path) as rpc:  # its own: a device serves one client at a time
         args = ["-m", str(model_q8), *engine.host_experts_args(rpc.endpoint), "-c", str(CTX), "-np", "1", "-t", "2",
                 "--no-warmup", *engine.cache_args(6, 1), "--moe-stream-cache-mb", str(load.stream_budget_mib(model_q8))]
