@@ -27,29 +27,14 @@ Attention uses ALiBi (no RoPE); the output projection is tied to ``token_embd``.
 """
 from __future__ import annotations
 
-from pybmoe.models.writer import QT, ArchDef, ModelSpec, attention_plan, embd_qtype, register_arch
+from pybmoe.models.writer import QT, ArchDef, ModelSpec, _plan_qwen3moe, register_arch
 
 ARCH = "refact"
 
 
 def plan(spec: ModelSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], QT]]:
-    q = spec.qtype
-    E, F, X = spec.n_embd, spec.n_ff_exp, spec.n_expert
-    out: list[tuple[str, tuple[int, ...], QT]] = [
-        ("token_embd.weight", (E, n_vocab), embd_qtype(spec)),
-        ("output_norm.weight", (E,), QT.F32),
-    ]
-    for i in range(spec.n_layer):
-        p = f"blk.{i}."
-        # qwen3's attention block and ffn_norm, without the per-head q/k norms refact does not have
-        out += [t for t in attention_plan(spec, p) if t[0] not in (p + "attn_q_norm.weight", p + "attn_k_norm.weight")]
-        out += [
-            (p + "ffn_gate_inp.weight", (E, X), QT.F32),
-            (p + "ffn_gate_exps.weight", (E, F, X), q),
-            (p + "ffn_up_exps.weight", (E, F, X), q),
-            (p + "ffn_down_exps.weight", (F, E, X), q),
-        ]
-    return out
+    # qwen3moe's tensors without the per-head q/k norms, which refact does not have
+    return [t for t in _plan_qwen3moe(spec, n_vocab) if not t[0].endswith(("attn_q_norm.weight", "attn_k_norm.weight"))]
 
 
 def add_kvs(spec: ModelSpec, w) -> None:
