@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 struct ggml_context;
@@ -50,8 +51,18 @@ void llama_moe_cache_record_sources(llama_model & model, const llama_model_loade
 
 void llama_moe_cache_free(llama_moe_cache * mc);
 
-// context teardown: print the summary line
-void llama_moe_cache_on_context_free(const llama_model & model);
+// the byte ranges of split file `idx` that the map must not read at load: upstream's lazy ranges `lazy`,
+// plus the host-resident expert tensors of that file when llama_moe_stream_hint_lazy_load named this load
+// (the stream tier reads them itself)
+std::vector<std::pair<size_t, size_t>> llama_moe_cache_lazy_ranges(const llama_model_loader & ml, uint32_t idx,
+                                                                   const std::vector<std::pair<size_t, size_t>> & lazy);
+
+// context creation: its host memory (KV cache, compute and output buffers, bytes), which the stream
+// tier's auto sets aside
+void llama_moe_cache_on_context_init(const llama_model & model, const void * ctx, size_t kv, size_t compute, size_t output);
+
+// context teardown: print the summary line; the stream tier gives the context's memory back to auto
+void llama_moe_cache_on_context_free(const llama_model & model, const void * ctx);
 
 //
 // graph building

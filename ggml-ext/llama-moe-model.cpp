@@ -9,38 +9,20 @@
 #include "llama-impl.h"
 #include "llama-model.h"
 #include "llama-batch.h"
+#include "llama-model-loader.h"
 
-#include <cstdarg>
 #include <cstring>
-
-bool llama_moe_is_moe_layer(const llama_layer & layer) {
-    return layer.ffn_gate_inp && (layer.ffn_up_exps || layer.ffn_gate_up_exps);
-}
-
-void llama_moe_log::once(const char * key, const char * fmt, ...) const {
-    {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!seen.insert(key).second) {
-            return;
-        }
-    }
-    char buf[512];
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(buf, sizeof(buf), fmt, args);
-    va_end(args);
-    if (strncmp(buf, "WARNING", 7) == 0) {
-        LLAMA_LOG_WARN("moe-cache: %s\n", buf); // the cache is not serving something it was asked to
-    } else {
-        LLAMA_LOG_INFO("moe-cache: %s\n", buf);
-    }
-}
 
 //
 // load and teardown
 //
 
+// the path llama_moe_stream_hint_lazy_load named for this thread's next load ("" when none): a hint to the
+// loader, consumed by llama_moe_cache_record_sources at the end of that load, so no model carries it
+static thread_local std::string llama_moe_lazy_hint;
+
 void llama_moe_cache_record_sources(llama_model & model, const llama_model_loader & ml, const std::vector<std::string> & paths) {
+    llama_moe_lazy_hint.clear(); // the load it was for is done
     if (paths.empty() || paths[0].empty()) {
         return; // loaded from a FILE * or from metadata: no source; init reports it
     }
@@ -54,7 +36,16 @@ void llama_moe_cache_free(llama_moe_cache * mc) {
     delete mc;
 }
 
-void llama_moe_cache_on_context_free(const llama_model & model) {
+void llama_moe_cache_on_context_init(const llama_model & model, const void * ctx, size_t kv, size_t compute, size_t output) {
+    llama_moe_cache * mc = model.moe_cache;
+    if (mc == nullptr || !mc->stream.on()) {
+        return;
+    }
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    mc->stream.on_context(ctx, (int64_t) (kv + compute + output), (int64_t) kv, (int64_t) compute, (int64_t) output);
+}
+
+void llama_moe_cache_on_context_free(const llama_model & model, const void * ctx) {
     llama_moe_cache * mc = model.moe_cache;
     if (mc == nullptr) {
         return;
@@ -66,7 +57,46 @@ void llama_moe_cache_on_context_free(const llama_model & model) {
     }
     if (mc->stream.on()) {
         mc->stream.print_summary();
+        mc->stream.on_context_free(ctx);
     }
+}
+
+//
+// the load: which ranges the map leaves unread
+//
+
+void llama_moe_stream_hint_lazy_load(const char * path) {
+    llama_moe_lazy_hint = path ? path : "";
+}
+
+std::vector<std::pair<size_t, size_t>> llama_moe_cache_lazy_ranges(const llama_model_loader & ml, uint32_t idx,
+                                                                   const std::vector<std::pair<size_t, size_t>> & lazy) {
+    std::vector<std::pair<size_t, size_t>> out = lazy;
+    if (llama_moe_lazy_hint.empty()) {
+        return out;
+    }
+    size_t n = 0;
+    for (const auto & [key, ctx] : ml.ctx_map) {
+        if (!ggml_backend_buft_is_host(key.buft)) {
+            continue; // a device's experts are copied there at load: read either way
+        }
+        for (ggml_tensor * t = ggml_get_first_tensor(ctx.get()); t != nullptr; t = ggml_get_next_tensor(ctx.get(), t)) {
+            if (strstr(ggml_get_name(t), "_exps.") == nullptr) {
+                continue;
+            }
+            const auto it = ml.weights_map.find(ggml_get_name(t));
+            if (it == ml.weights_map.end() || it->second.idx != idx) {
+                continue;
+            }
+            out.emplace_back(it->second.offs, it->second.offs + ggml_nbytes(t));
+            n += ggml_nbytes(t);
+        }
+    }
+    if (n > 0) {
+        LLAMA_LOG_INFO("%s: moe-stream: file %u: %.1f MiB of host-resident experts are mapped without being read at load "
+                "(the stream tier reads them)\n", __func__, idx, n / 1024.0 / 1024.0);
+    }
+    return out;
 }
 
 //
@@ -76,14 +106,6 @@ void llama_moe_cache_on_context_free(const llama_model & model) {
 const llama_moe_cache * llama_moe_cache_active(const llama_model & model) {
     const llama_moe_cache * mc = model.moe_cache;
     return mc && mc->active() ? mc : nullptr;
-}
-
-bool llama_moe_cache::busy(const char * fn, const char * tier, const char * what) const {
-    if (n_busy.load() == 0) {
-        return false;
-    }
-    LLAMA_LOG_ERROR("%s: %s: a graph is being computed; %s between generations\n", fn, tier, what);
-    return true;
 }
 
 //

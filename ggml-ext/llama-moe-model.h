@@ -8,6 +8,7 @@
 // Must not hold: a concern's own logic (each has its file), or process-wide state: two models in
 // one process have two owners and share nothing.
 
+#include "llama-moe-base.h"
 #include "llama-moe-dense.h"
 #include "llama-moe-hooks.h"
 #include "llama-moe-replay.h"
@@ -24,23 +25,9 @@
 #include <set>
 #include <string>
 
-struct llama_layer;
-
-// a MoE layer: a router and experts (separate or fused gate_up); the cache, the trace and route
-// replay all take their layers from this test
-bool llama_moe_is_moe_layer(const llama_layer & layer);
-
-// logs a line once per model and key: a WARN when the text starts with "WARNING" (the cache is not
-// serving something it was asked to), else an INFO
-struct llama_moe_log {
-    void once(const char * key, const char * fmt, ...) const;
-
-private:
-    mutable std::mutex            mutex;
-    mutable std::set<std::string> seen;
-};
-
-struct llama_moe_cache {
+// the owner: the log and the busy count come from llama_moe_base, which the tiers share without
+// reaching back into this file
+struct llama_moe_cache : llama_moe_base {
     llama_moe_sources sources; // recorded at load
 
     // device memory set aside ahead of the cache (the contexts' projected KV + compute), for auto
@@ -53,9 +40,7 @@ struct llama_moe_cache {
     llama_moe_dense  dense;
     llama_moe_trace  trace;
     llama_moe_replay replay;
-    llama_moe_log    log;
 
-    std::atomic<int32_t> n_busy { 0 }; // graphs being computed (resizing is refused meanwhile)
     mutable std::mutex   mutex;        // the step against the stats getters and the resize
 
     // One graph at a time per model while a tier, the trace or route replay is on: held from
@@ -68,9 +53,4 @@ struct llama_moe_cache {
     bool active() const {
         return vram.enabled() || stream.on() || trace.on() || replay.on();
     }
-
-    // a setting that must change between generations while a graph is being computed: one ERROR line,
-    // "<fn>: <tier>: a graph is being computed; <what> between generations", and true (the C setters
-    // then return -2)
-    bool busy(const char * fn, const char * tier, const char * what) const;
 };

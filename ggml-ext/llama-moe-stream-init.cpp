@@ -5,6 +5,7 @@
 // Holds: load-time decisions and their log lines. Must not hold: anything that runs per step
 // (llama-moe-stream.cpp).
 
+#include "llama-moe-memory.h"
 #include "llama-moe-model.h"
 
 #include "llama-impl.h"
@@ -15,7 +16,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <sstream>
 
@@ -24,94 +24,6 @@
 #include <sys/resource.h>
 #include <unistd.h>
 #endif
-
-// what the memory the process may still use looks like, in bytes (0: not known)
-struct llama_moe_mem_avail {
-    uint64_t meminfo        = 0; // /proc/meminfo MemAvailable
-    uint64_t cgroup_limit   = 0; // the process's cgroup (v2 memory.max, v1 memory.limit_in_bytes)
-    uint64_t cgroup_usage   = 0;
-    uint64_t cgroup_file    = 0; // page cache charged to the cgroup: reclaimable (the dense weights are counted apart)
-    std::string cgroup;
-
-    uint64_t avail() const {
-        uint64_t a = meminfo;
-        if (cgroup_limit > 0) {
-            const uint64_t used = cgroup_usage > cgroup_file ? cgroup_usage - cgroup_file : 0;
-            const uint64_t c = cgroup_limit > used ? cgroup_limit - used : 0;
-            a = a ? std::min(a, c) : c;
-        }
-        return a;
-    }
-};
-
-static uint64_t llama_moe_read_u64(const std::string & path) {
-    std::ifstream f(path);
-    std::string s;
-    if (!(f >> s) || s == "max") {
-        return 0;
-    }
-    return strtoull(s.c_str(), nullptr, 10);
-}
-
-static uint64_t llama_moe_stat_field(const std::string & path, const std::string & key) {
-    std::ifstream f(path);
-    std::string k;
-    uint64_t v;
-    while (f >> k >> v) {
-        if (k == key) {
-            return v;
-        }
-    }
-    return 0;
-}
-
-static llama_moe_mem_avail llama_moe_read_mem_avail() {
-    llama_moe_mem_avail m;
-    {
-        std::ifstream f("/proc/meminfo");
-        std::string line;
-        while (std::getline(f, line)) {
-            if (line.rfind("MemAvailable:", 0) == 0) {
-                m.meminfo = strtoull(line.c_str() + 13, nullptr, 10) * 1024; // kB
-            }
-        }
-    }
-    std::ifstream f("/proc/self/cgroup");
-    std::string line;
-    while (std::getline(f, line)) {
-        // v2: "0::/path"; v1: "N:memory:/path" (or "N:...,memory,...:/path")
-        const size_t a = line.find(':');
-        const size_t b = a == std::string::npos ? a : line.find(':', a + 1);
-        if (b == std::string::npos) {
-            continue;
-        }
-        const std::string ctrl = line.substr(a + 1, b - a - 1);
-        const std::string rel  = line.substr(b + 1);
-        uint64_t limit = 0, usage = 0, file = 0;
-        std::string dir;
-        if (ctrl.empty()) {
-            dir      = "/sys/fs/cgroup" + rel;
-            limit    = llama_moe_read_u64(dir + "/memory.max");
-            usage    = llama_moe_read_u64(dir + "/memory.current");
-            file     = llama_moe_stat_field(dir + "/memory.stat", "file");
-        } else if (("," + ctrl + ",").find(",memory,") != std::string::npos) {
-            dir      = "/sys/fs/cgroup/memory" + rel;
-            limit    = llama_moe_read_u64(dir + "/memory.limit_in_bytes");
-            usage    = llama_moe_read_u64(dir + "/memory.usage_in_bytes");
-            file     = llama_moe_stat_field(dir + "/memory.stat", "total_cache");
-        } else {
-            continue;
-        }
-        // v1 writes a huge number for "no limit"
-        if (limit > 0 && limit < (1ull << 60) && (m.cgroup_limit == 0 || limit < m.cgroup_limit)) {
-            m.cgroup_limit = limit;
-            m.cgroup_usage = usage;
-            m.cgroup_file  = file;
-            m.cgroup = dir;
-        }
-    }
-    return m;
-}
 
 // CPU buffers whose bytes are the GGUF's (a repacked layout is not)
 static bool llama_moe_buft_holds_gguf_layout(ggml_backend_buffer_type_t buft) {
@@ -130,8 +42,8 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         LLAMA_LOG_ERROR("%s: moe-stream: no model\n", __func__);
         return -1;
     }
-    if ((budget_mib < 0 && !is_auto) || floor_mib < 0 || ceil_mib < 0 || io_threads < 1 || io_threads > 64 || n_ubatch < 1) {
-        LLAMA_LOG_ERROR("%s: moe-stream: budget (%d MiB), floor (%d MiB) and ceiling (%d MiB) must be >= 0, io threads (%d) "
+    if ((budget_mib < 0 && !is_auto) || (floor_mib < 0 && floor_mib != LLAMA_MOE_STREAM_FLOOR_AUTO) || ceil_mib < 0 || io_threads < 1 || io_threads > 64 || n_ubatch < 1) {
+        LLAMA_LOG_ERROR("%s: moe-stream: budget (%d MiB), floor (%d MiB; -1 = auto) and ceiling (%d MiB) must be >= 0, io threads (%d) "
                 "1 .. 64 and the ubatch (%d) >= 1\n", __func__, budget_mib, floor_mib, ceil_mib, io_threads, n_ubatch);
         return -1;
     }
@@ -231,37 +143,93 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     const int64_t min_bytes   = min_entries * (int64_t) entry;
     const double  mib = 1024.0 * 1024.0;
 
+    // what the process needs beside the budget, known at load: the dense weights in host memory (every
+    // token touches them; BigMoeOnEdge's auto over-asks when it sizes before them), the read lanes'
+    // bounce buffers and the pages an entry's partial pages commit beyond its bytes. The contexts'
+    // KV cache, compute and output buffers are set aside as each context is created (on_context).
+    int64_t dense = 0;
+    for (const auto & [name, t] : model->tensors_by_name) {
+        if (t->buffer != nullptr && ggml_backend_buffer_is_host(t->buffer) && name.find("_exps.weight") == std::string::npos) {
+            dense += (int64_t) ggml_nbytes(t);
+        }
+    }
+    size_t proj_max = 0;
+    int    n_proj_max = 1;
+    for (int il : ils) {
+        const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
+        const int n_proj = llama_moe_layer_exps(model->layers[il], exps);
+        n_proj_max = std::max(n_proj_max, n_proj);
+        for (int p = 0; p < n_proj; ++p) {
+            proj_max = std::max(proj_max, exps[p]->nb[2]);
+        }
+    }
+#if !defined(_WIN32)
+    const int64_t page = (int64_t) sysconf(_SC_PAGESIZE);
+#else
+    const int64_t page = 4096;
+#endif
+    // a lane's bounce buffer holds the aligned window around one projection's expert, read in chunks of at
+    // most 8 MiB (llama_moe_reader::read_one)
+    const int64_t bounce = (int64_t) io_threads * (std::min<int64_t>((int64_t) proj_max, 8 << 20) + 2 * 4096);
+    // an entry commits up to one partial page at each end of each projection beyond its bytes
+    const int64_t entry_cost = (int64_t) entry + 2 * page * n_proj_max;
+
+    const llama_moe_mem_avail m = llama_moe_read_mem_avail();
+    st.avail_bytes  = (int64_t) m.avail();
+    st.limit_bytes  = (int64_t) m.limit();
+    st.dense_bytes  = dense;
+    st.bounce_bytes = bounce;
+    st.entry_cost   = entry_cost;
+    st.is_auto      = is_auto;
+
     int64_t budget = 0;
     if (is_auto) {
-        // the dense weights in host memory are touched by every token: auto leaves room for them, or
-        // the budget would squeeze them out of the page cache and every token would fault them in again
-        double dense = 0.0;
-        for (const auto & [name, t] : model->tensors_by_name) {
-            if (t->buffer != nullptr && ggml_backend_buffer_is_host(t->buffer) && name.find("_exps.weight") == std::string::npos) {
-                dense += ggml_nbytes(t);
+        const int64_t limit = (int64_t) m.limit();
+        // the floor: what auto leaves free for everything it does not count (code pages, the heap, other
+        // processes). Default: 1/16 of the memory the process lives in (the cgroup's limit, else MemTotal),
+        // from 64 MiB up to the BigMoeOnEdge seed's 1536 MiB: 81 MiB in a 1300 MiB container, 1536 MiB on a
+        // 24 GiB machine
+        const bool floor_auto = floor_mib == LLAMA_MOE_STREAM_FLOOR_AUTO;
+        int64_t floor = floor_auto ? std::clamp<int64_t>(limit / 16, (int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20,
+                (int64_t) LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT << 20) : (int64_t) floor_mib << 20;
+        const int64_t room = (int64_t) m.avail() - dense - bounce;
+        int64_t want = room - floor;
+        if (ceil_mib > 0) {
+            want = std::min(want, (int64_t) ceil_mib << 20);
+        }
+        int64_t entries = want > 0 ? want / entry_cost : 0;
+        entries = std::min<int64_t>(entries, (int64_t) n_expert * (int64_t) ils.size());
+        std::string note;
+        if (entries < min_entries) {
+            // a floor larger than the room must not turn auto into a refusal while a working budget exists:
+            // the floor shrinks to what is left above the minimum, never below LLAMA_MOE_STREAM_FLOOR_MIN_MIB
+            const int64_t left = room - min_entries * entry_cost;
+            if (left >= ((int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20) && (ceil_mib == 0 || ((int64_t) ceil_mib << 20) >= min_bytes)) {
+                note = format("; WARNING the floor of %.0f MiB leaves less than the minimum, so auto takes the minimum and "
+                        "leaves %.0f MiB free", floor / mib, left / mib);
+                entries = min_entries;
             }
         }
-        const llama_moe_mem_avail m = llama_moe_read_mem_avail();
-        const double avail = m.avail() / mib;
-        double b = avail - dense / mib - floor_mib;
-        if (ceil_mib > 0) {
-            b = std::min(b, (double) ceil_mib);
-        }
-        b = std::min(b, total / mib);
-        LLAMA_LOG("%s: moe-stream: auto: MemAvailable %.0f MiB%s -> %.0f MiB available - %.0f MiB dense weights in host "
-                "memory - %d MiB floor%s -> %.0f MiB (experts %.0f MiB, minimum %.0f MiB)\n", __func__, m.meminfo / mib,
-                m.cgroup_limit ? format(", cgroup %s limit %.0f MiB, usage %.0f MiB of which %.0f MiB page cache",
-                        m.cgroup.c_str(), m.cgroup_limit / mib, m.cgroup_usage / mib, m.cgroup_file / mib).c_str() : "",
-                avail, dense / mib, floor_mib, ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "",
-                std::max(b, 0.0), total / mib, min_bytes / mib);
-        if (b * mib < (double) min_bytes) {
-            LLAMA_LOG_ERROR("%s: moe-stream: auto found %.0f MiB, under the mechanical minimum of %.1f MiB (%lld experts of "
-                    "%.2f MiB: the most one layer step needs at ubatch %d); lower --moe-stream-floor-mb, raise the "
-                    "ceiling, or give a budget\n", __func__, std::max(b, 0.0), min_bytes / mib, (long long) min_entries,
-                    entry / mib, n_ubatch);
+        budget = entries * (int64_t) entry;
+        LLAMA_LOG("%s: moe-stream: auto: %s -> %.0f MiB available - %.0f MiB dense weights in host memory - %.1f MiB "
+                "read buffers (%d lanes) - %.0f MiB floor%s%s -> %lld experts of %.3f MiB (+%.0f KiB page rounding "
+                "each) = budget %.0f MiB (experts %.0f MiB, minimum %.0f MiB); each context's host memory (KV cache, "
+                "compute, output) is set aside when it is created%s\n", __func__, m.describe().c_str(), m.avail() / mib,
+                dense / mib, bounce / mib, io_threads, floor / mib,
+                floor_auto ? format(" (auto: 1/16 of the %.0f MiB %s, %d .. %d MiB)", limit / mib,
+                        m.cgroup_limit ? "limit" : "of RAM", LLAMA_MOE_STREAM_FLOOR_MIN_MIB,
+                        LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT).c_str() : "",
+                ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", (long long) entries, entry / mib,
+                (entry_cost - (int64_t) entry) / 1024.0, budget / mib, total / mib, min_bytes / mib, note.c_str());
+        if (entries < min_entries) {
+            LLAMA_LOG_ERROR("%s: moe-stream: auto: %.0f MiB available - %.0f MiB dense - %.1f MiB read buffers leaves %.0f "
+                    "MiB, under the mechanical minimum of %.1f MiB (%lld experts of %.2f MiB: the most one layer step needs "
+                    "at ubatch %d) plus %d MiB; give the process more memory or a smaller -ub\n", __func__,
+                    m.avail() / mib, dense / mib, bounce / mib, std::max<int64_t>(room, 0) / mib, min_bytes / mib,
+                    (long long) min_entries, entry / mib, n_ubatch, LLAMA_MOE_STREAM_FLOOR_MIN_MIB);
             return LLAMA_MOE_STREAM_ERR_BUDGET;
         }
-        budget = (int64_t) (b * mib);
+        st.auto_base = budget;
     } else {
         budget = (int64_t) budget_mib << 20;
         if (budget < min_bytes) {
@@ -348,6 +316,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f\n", st.layers.size(), n_expert, n_used, budget / mib,
             cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib, st.reader.direct ? 1 : 0,
             st.reader.n_lanes, entry / mib);
+    st.check_fit(); // a fixed budget that does not fit even before the contexts: one WARN now
     if ((double) budget < cycle) {
         // the cliff guard (the BigMoeOnEdge seed): state the fact, once, at load
         LLAMA_LOG_WARN("%s: moe-stream: WARNING the budget of %.1f MiB is below the cache cycle of %.1f MiB (every streamed "

@@ -303,16 +303,83 @@ int32_t llama_model_moe_stream_set_budget_mib(llama_model * model, int32_t budge
         return -1;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
-    const int64_t want = std::min<int64_t>((int64_t) budget_mib << 20, st.total_bytes);
+    const int64_t want = st.resize((int64_t) budget_mib << 20);
+    st.is_auto = false; // a budget set by hand is kept as it is when contexts come and go
+    return (int32_t) (want >> 20);
+}
+
+//
+// the budget beside the contexts
+//
+
+int64_t llama_moe_stream::resize(int64_t want) {
+    want = std::min<int64_t>(want, total_bytes);
     std::vector<int32_t> evicted;
     {
-        std::unique_lock<std::mutex> lock_st(st.mutex);
-        st.budget_bytes = want;
-        st.lru.resize(want / (int64_t) st.entry_bytes, evicted);
-        st.wait_unpinned(lock_st, evicted); // an upload started after the last generation may still read one
+        std::unique_lock<std::mutex> lock_st(mutex);
+        budget_bytes = want;
+        lru.resize(want / (int64_t) entry_bytes, evicted);
+        wait_unpinned(lock_st, evicted); // an upload started after the last generation may still read one
     }
-    st.release(evicted);
+    release(evicted);
     LLAMA_LOG("%s: moe-stream: budget %lld MiB now (%lld experts resident, %zu evicted)\n", __func__,
-            (long long) (want >> 20), (long long) st.lru.n_resident, evicted.size());
-    return (int32_t) (want >> 20);
+            (long long) (want >> 20), (long long) lru.n_resident, evicted.size());
+    return want;
+}
+
+int64_t llama_moe_stream::auto_room() const {
+    // auto_base holds entries of entry_cost each; the contexts take whole entries from it
+    const int64_t drop = (contexts_bytes() + entry_cost - 1) / entry_cost;
+    return (auto_base / (int64_t) entry_bytes - drop) * (int64_t) entry_bytes;
+}
+
+void llama_moe_stream::check_fit() {
+    const double mib = 1024.0 * 1024.0;
+    const int64_t need = need_bytes();
+    if (is_auto || over_warned || avail_bytes <= 0 || need <= avail_bytes) {
+        return;
+    }
+    over_warned = true;
+    const int64_t other = need - (budget_bytes / (int64_t) entry_bytes) * entry_cost;
+    const int64_t fits = std::max<int64_t>(0, (avail_bytes - other) / entry_cost * (int64_t) entry_bytes);
+    LLAMA_LOG_WARN("llama_moe_stream: moe-stream: WARNING --moe-stream-cache-mb %.0f MiB does not fit: with %.0f MiB dense "
+            "weights, %.1f MiB read buffers and %.0f MiB of contexts' host memory the process needs %.0f MiB, %.0f MiB more "
+            "than the %.0f MiB available at load (limit %.0f MiB); the dense weights' pages will be reclaimed and read "
+            "again (or, with --dense-weights anon, the process may be killed); give at most %.0f MiB or auto\n",
+            budget_bytes / mib, dense_bytes / mib, bounce_bytes / mib, contexts_bytes() / mib, need / mib,
+            (need - avail_bytes) / mib, avail_bytes / mib, limit_bytes / mib, fits / mib);
+}
+
+void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output) {
+    const double mib = 1024.0 * 1024.0;
+    contexts[ctx] = host_bytes;
+    if (!is_auto) {
+        check_fit();
+        return;
+    }
+    const int64_t room = auto_room();
+    const int64_t want = std::max<int64_t>(room, min_bytes);
+    LLAMA_LOG("%s: moe-stream: auto: a context takes %.1f MiB of host memory (KV cache %.1f, compute %.1f, output %.1f; "
+            "%zu context(s), %.1f MiB in all) -> budget %.0f MiB\n", __func__, host_bytes / mib, kv / mib, compute / mib,
+            output / mib, contexts.size(), contexts_bytes() / mib, want / mib);
+    if (room < min_bytes) {
+        LLAMA_LOG_WARN("%s: moe-stream: WARNING auto: %.0f MiB before contexts - %.1f MiB of contexts leaves %.0f MiB, under "
+                "the mechanical minimum of %.1f MiB; the tier keeps the minimum and the process may exceed its memory by "
+                "%.0f MiB (give it more memory, a smaller -c or -ub)\n", __func__, auto_base / mib, contexts_bytes() / mib,
+                std::max<int64_t>(room, 0) / mib, min_bytes / mib, (min_bytes - room) / mib);
+    }
+    if (want != budget_bytes) {
+        resize(want);
+    }
+}
+
+void llama_moe_stream::on_context_free(const void * ctx) {
+    if (contexts.erase(ctx) == 0 || !is_auto) {
+        return;
+    }
+    const int64_t room = auto_room();
+    const int64_t want = std::max<int64_t>(room, min_bytes);
+    if (want != budget_bytes) {
+        resize(want);
+    }
 }

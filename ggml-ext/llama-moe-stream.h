@@ -20,6 +20,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -76,6 +77,47 @@ struct llama_moe_stream {
     int64_t min_bytes     = 0; // the largest set one layer step can need at the configured ubatch
     int64_t total_bytes   = 0; // every streamed expert
     int32_t n_ubatch      = 0;
+
+    // sizing facts from init, bytes: what auto sized from, and what a fixed budget is checked against
+    bool    is_auto      = false;
+    int64_t auto_base    = 0; // auto's budget before any context
+    int64_t avail_bytes  = 0; // llama_moe_mem_avail::avail() at init
+    int64_t limit_bytes  = 0; // the cgroup's limit, else MemTotal
+    int64_t dense_bytes  = 0; // the dense weights in host memory
+    int64_t bounce_bytes = 0; // the read lanes' bounce buffers
+    int64_t entry_cost   = 0; // an entry's bytes plus the partial pages it can commit
+    std::map<const void *, int64_t> contexts; // live contexts -> their host memory (KV cache, compute, output)
+    bool    over_warned  = false;
+
+    int64_t contexts_bytes() const {
+        int64_t n = 0;
+        for (const auto & [c, b] : contexts) {
+            n += b;
+        }
+        return n;
+    }
+
+    // what the budget and everything beside it need, bytes (the fixed budget's check)
+    int64_t need_bytes() const {
+        return (budget_bytes / (int64_t) entry_bytes) * entry_cost + dense_bytes + bounce_bytes + contexts_bytes();
+    }
+
+    // a context was created (its host memory: KV cache, compute and output buffers) or freed. auto sets
+    // it aside: the budget shrinks (evicting at once) or grows back, never below the mechanical minimum
+    // (a WARN says so); a fixed budget that no longer fits beside it gets one WARN with the arithmetic.
+    // Called with no graph in flight.
+    void on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output);
+    void on_context_free(const void * ctx);
+
+    // auto's budget beside the live contexts (may be under the minimum)
+    int64_t auto_room() const;
+
+    // one WARN, once, when a fixed budget with the process's other memory exceeds what was available
+    void check_fit();
+
+    // sets the budget (bytes, clamped to every expert's); a shrink evicts the least recently used at once.
+    // Returns the budget set.
+    int64_t resize(int64_t want);
 
     // counters (the graph op updates them during compute; the getters read them under `mutex`)
     mutable std::mutex mutex;

@@ -16,41 +16,6 @@
 #include <array>
 #include <cstring>
 
-int llama_moe_proj_list(const ggml_tensor * up, const ggml_tensor * gate, const ggml_tensor * down,
-                        const ggml_tensor * gate_up, const ggml_tensor * out[LLAMA_MOE_N_PROJ],
-                        const char * names[LLAMA_MOE_N_PROJ]) {
-    static const char * fused[] = { "gate_up", "down" };
-    static const char * sep3 [] = { "up", "gate", "down" };
-    static const char * sep2 [] = { "up", "down" };
-    int n = 0;
-    const char * const * nm = nullptr;
-    if (down == nullptr) {
-        return 0;
-    }
-    if (gate_up != nullptr) {
-        out[n++] = gate_up; nm = fused;
-    } else if (up != nullptr) {
-        out[n++] = up;
-        if (gate != nullptr) {
-            out[n++] = gate; nm = sep3;
-        } else {
-            nm = sep2;
-        }
-    } else {
-        return 0;
-    }
-    out[n++] = down;
-    for (int p = 0; names && p < n; ++p) {
-        names[p] = nm[p];
-    }
-    return n;
-}
-
-int llama_moe_layer_exps(const llama_layer & layer, const ggml_tensor * out[LLAMA_MOE_N_PROJ],
-                         const char * names[LLAMA_MOE_N_PROJ]) {
-    return llama_moe_proj_list(layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps, layer.ffn_gate_up_exps, out, names);
-}
-
 int llama_moe_bias_list(const llama_layer & layer, const ggml_tensor * out[LLAMA_MOE_N_BIAS]) {
     int n = 0;
     for (const ggml_tensor * b : { layer.ffn_up_exps_b, layer.ffn_gate_exps_b, layer.ffn_gate_up_exps_b, layer.ffn_down_exps_b }) {

@@ -9,6 +9,7 @@
 // (llama-moe-graph.cpp), file reads (llama-moe-source.h) or the policy itself
 // (llama-moe-residency.h).
 
+#include "llama-moe-base.h"
 #include "llama-moe-residency.h"
 #include "llama-moe-source.h"
 
@@ -22,21 +23,8 @@
 struct ggml_tensor;
 struct llama_layer;
 struct llama_moe_cache_stats;
-struct llama_moe_log;
 struct llama_moe_stream;
 
-constexpr int LLAMA_MOE_N_PROJ = 3; // the most expert tensors a layer has: up, gate, down (or gate_up, down)
-constexpr int LLAMA_MOE_N_BIAS = 4; // the most expert biases a layer has: up, gate, gate_up, down
-
-// the expert tensors a layer multiplies by, in graph order, and their slot-name stems: {up, gate, down},
-// {up, down} without a gate, or {gate_up, down} when fused; returns how many (0: not an expert layer)
-int llama_moe_proj_list(const ggml_tensor * up, const ggml_tensor * gate, const ggml_tensor * down,
-                        const ggml_tensor * gate_up, const ggml_tensor * out[LLAMA_MOE_N_PROJ],
-                        const char * names[LLAMA_MOE_N_PROJ] = nullptr);
-
-// llama_moe_proj_list over a model layer's expert tensors (the layer walks of both tiers' init)
-int llama_moe_layer_exps(const llama_layer & layer, const ggml_tensor * out[LLAMA_MOE_N_PROJ],
-                         const char * names[LLAMA_MOE_N_PROJ] = nullptr);
 
 // the per-expert biases of a cached layer (add_id with the original ids): up, gate or fused gate_up,
 // which the device chain adds before the down projection, and down, which build_moe_ffn adds once after

@@ -1,7 +1,9 @@
 # pybmoe: the engine files that patch 0003 compiles into libllama (one concern each; see
 # docs/architecture.md). A new file is added here, not in the patch.
 target_sources(llama PRIVATE
+    ${PYBMOE_EXT_DIR}/llama-moe-base.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-model.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-memory.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-residency.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-source.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-vram.cpp

@@ -186,20 +186,27 @@ struct llama_moe_stream_stats {
 };
 
 #define LLAMA_MOE_STREAM_AUTO                (-1)   // budget_mib: size from available memory
-#define LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT   1536   // MiB auto leaves free (the BigMoeOnEdge seed's default)
+#define LLAMA_MOE_STREAM_FLOOR_AUTO          (-1)   // floor_mib: 1/16 of the memory limit (cgroup, else MemTotal), 64 .. 1536 MiB
+#define LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT   1536   // the largest auto floor, MiB (the BigMoeOnEdge seed's fixed default)
+#define LLAMA_MOE_STREAM_FLOOR_MIN_MIB       64     // the smallest auto floor, and what auto leaves free at the least, MiB
 #define LLAMA_MOE_STREAM_IO_THREADS_DEFAULT  4      // read lanes
 #define LLAMA_MOE_STREAM_ERR_BUDGET          (-3)   // init: a budget under the mechanical minimum (a load error)
 
 // Turns the stream tier on: the experts of every host-resident MoE layer (all of them on a CPU-only
 // run) are no longer read through the memory map; each layer step's experts are read from the GGUF
-// into a RAM cache of budget_mib MiB (LLAMA_MOE_STREAM_AUTO: MemAvailable, or the cgroup's limit
-// minus its usage (less its page cache) when smaller, minus the dense weights in host
-// memory, minus floor_mib, capped by ceil_mib when > 0). The budget must hold
-// the largest set one layer step can need with ubatches of n_ubatch tokens (min(n_expert, top-k x
-// n_ubatch) experts of the widest layer), else LLAMA_MOE_STREAM_ERR_BUDGET with the arithmetic; a
-// budget above every expert's bytes is clamped (INFO). io_threads read lanes (1 .. 64). Call after
-// load, before creating contexts. Returns the streamed layers (0: inert, with an INFO line, on a
-// model without MoE layers), or a negative value (logged) on error.
+// into a RAM cache of budget_mib MiB. LLAMA_MOE_STREAM_AUTO sizes it: the memory available
+// (MemAvailable, or the cgroup's limit minus its usage less its page cache when smaller; read under
+// $PYBMOE_MEM_ROOT when set) minus the dense weights in host memory, the read lanes' bounce buffers
+// and floor_mib (LLAMA_MOE_STREAM_FLOOR_AUTO: 1/16 of the limit, 64 .. 1536 MiB), capped by ceil_mib
+// when > 0; then each context's host memory (KV cache, compute and output buffers) is set aside when
+// the context is created, and given back when it is freed. A floor that leaves less than the
+// minimum shrinks (WARN) as long as 64 MiB stay free. The budget must hold the largest set one layer
+// step can need with ubatches of n_ubatch tokens (min(n_expert, top-k x n_ubatch) experts of the
+// widest layer), else LLAMA_MOE_STREAM_ERR_BUDGET with the arithmetic in one line; a budget above
+// every expert's bytes is clamped (INFO), and a fixed budget that does not fit beside the process's
+// other memory gets one WARN. io_threads read lanes (1 .. 64). Call after load, before creating
+// contexts. Returns the streamed layers (0: inert, with an INFO line, on a model without MoE
+// layers), or a negative value (logged) on error.
 LLAMA_API int32_t llama_model_moe_stream_init(struct llama_model * model, int32_t budget_mib, int32_t floor_mib,
                                               int32_t ceil_mib, int32_t io_threads, int32_t n_ubatch);
 
@@ -214,14 +221,27 @@ LLAMA_API bool llama_model_moe_stream_get_stats(const struct llama_model * model
 #define LLAMA_MOE_DENSE_MMAP 0 // the dense weights stay memory-mapped (stock)
 #define LLAMA_MOE_DENSE_WARM 1 // one sequential buffered read of the dense weights at load (page cache warm)
 #define LLAMA_MOE_DENSE_ANON 2 // the dense weights read with O_DIRECT into anonymous memory (not page cache)
+#define LLAMA_MOE_DENSE_AUTO 3 // anon when the GGUF does not fit in the memory available beside the stream tier, else mmap
 
 // The policy for the non-expert weights in host memory (--dense-weights; the BigMoeOnEdge seed's):
 // mmap changes nothing; warm reads them once, sequentially and buffered, and logs "dense warm-up:
-// X MiB in Y s"; anon reads them with O_DIRECT into anonymous memory and rebinds the tensors there,
-// so a memory limit reclaims page cache before them. Tensors in a repacked buffer are left as they
-// are. Call after llama_model_moe_stream_init (its auto sizing already leaves room for them).
-// Returns the MiB handled, or -1 (logged) on error.
+// X MiB in Y s"; anon copies them into anonymous memory (from the map when their pages are there,
+// else with O_DIRECT) and rebinds the tensors there, so a memory limit reclaims page cache before
+// them; auto picks anon when the stream tier is on and the GGUF is larger than the memory available
+// at load (the page cache cannot hold it all, so a limit would reclaim dense pages too), unless the
+// budget and the dense weights do not fit together (anonymous pages cannot be reclaimed: mmap then
+// degrades where anon would get the process killed); else mmap. One INFO line gives the pick and
+// the figures. Tensors in a
+// repacked buffer are left as they are. Call after llama_model_moe_stream_init (its sizing already
+// leaves room for them). Returns the MiB handled (0 for mmap), or -1 (logged) on error.
 LLAMA_API int32_t llama_model_moe_dense_weights(struct llama_model * model, int32_t mode);
+
+// The next model loaded from `path` on this thread will run the stream tier: its host-resident expert
+// tensors are mapped without being read at load (no MAP_POPULATE over them; the rest of the file is
+// prefetched as before), since the tier reads them itself. Call right before llama_model_load_from_file;
+// the load consumes it (nullptr clears it). A run whose tier then does not engage faults those pages in
+// on demand, as an unpopulated map does.
+LLAMA_API void llama_moe_stream_hint_lazy_load(const char * path);
 
 // Per-layer lookups of the stream tier. Returns false when layer il is not streamed.
 LLAMA_API bool llama_model_moe_stream_get_layer_stats(const struct llama_model * model, int32_t il,

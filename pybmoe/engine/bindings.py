@@ -27,6 +27,9 @@ from .flags import parse_admit
 
 LLAMA_MOE_CACHE_AUTO = -1
 LLAMA_MOE_CACHE_ERR_NO_ROOM = -3  # llama-moe.h: fixed slots do not fit a device
+LLAMA_MOE_DENSE_AUTO = 3  # llama-moe.h
+#: ``dense_weights=`` values and their llama-moe.h modes (``--dense-weights``)
+DENSE_POLICIES = {"mmap": 0, "warm": 1, "anon": 2, "auto": LLAMA_MOE_DENSE_AUTO}
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # upstream's LLM_FFN_EXPS_REGEX (--cpu-moe)
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
 
@@ -197,6 +200,10 @@ def _llama_lib() -> ctypes.CDLL:
         lib.llama_model_moe_stream_set_budget_mib.restype = ctypes.c_int32
         lib.llama_model_moe_stream_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeStreamStatsC)]
         lib.llama_model_moe_stream_get_stats.restype = ctypes.c_bool
+        lib.llama_model_moe_dense_weights.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.llama_model_moe_dense_weights.restype = ctypes.c_int32
+        lib.llama_moe_stream_hint_lazy_load.argtypes = [ctypes.c_char_p]
+        lib.llama_moe_stream_hint_lazy_load.restype = None
         _libs["llama"] = lib
     return lib
 
@@ -353,11 +360,15 @@ def _device_names(handles: Sequence[int] | None) -> list[str]:
     return [by.get(h, hex(h)) for h in handles]
 
 
+#: The largest count the engine takes (its C API's int32: MiB, slots, lanes, steps).
+COUNT_MAX = 2**31 - 1
+
+
 def _check_count(name: str, v, allow_auto: bool = False) -> int:
     if allow_auto and v == "auto":
         return LLAMA_MOE_CACHE_AUTO
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        accepted = "a non-negative integer" + (" or 'auto'" if allow_auto else "")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > COUNT_MAX:
+        accepted = f"an integer in 0 .. {COUNT_MAX}" + (" or 'auto'" if allow_auto else "")
         raise ValueError(f"{name}={v!r} is invalid; accepted: {accepted}")
     return v
 
@@ -401,13 +412,20 @@ class Llama(llama_cpp.Llama):
             ``Llama`` offloads to its own only: a server another ``Llama`` of the process named stays
             registered, but is not this one's device.
         repack: let host weights use repacked layouts (``--no-repack`` is ``repack=False``).
-        moe_stream_cache_mb: the stream tier's RAM budget in MiB (int >= 0), or ``"auto"``
-            (available memory minus the dense weights minus ``moe_stream_floor_mb``, capped by
-            ``moe_stream_ceil_mb``); 0 = off. The experts of host-resident MoE layers are read from
-            the GGUF into it as layers need them (``--moe-stream-cache-mb``); repack is turned off.
+        moe_stream_cache_mb: the stream tier's RAM budget in MiB (int in 0 .. 2**31 - 1), or
+            ``"auto"`` (available memory minus the dense weights, the read buffers and
+            ``moe_stream_floor_mb``, capped by ``moe_stream_ceil_mb``; the context's host memory
+            is set aside when it is created: docs/stream-tier.md); 0 = off. The experts of
+            host-resident MoE layers are read from the GGUF into it as layers need them
+            (``--moe-stream-cache-mb``); repack is turned off and the load leaves them unread.
             Under the mechanical minimum (the most one layer step needs at ``n_ubatch``) it is a
             ValueError.
+        moe_stream_floor_mb: MiB ``auto`` leaves free, or ``"auto"`` (the default: 1/16 of the
+            memory limit, 64 .. 1536 MiB).
         moe_stream_io_threads: the stream tier's read lanes (1 .. 64).
+        dense_weights: the non-expert weights in host memory (``--dense-weights``): ``"auto"``
+            (the default: with the stream tier, ``"anon"`` when the GGUF is larger than the memory
+            available, else ``"mmap"``), ``"mmap"``, ``"warm"`` or ``"anon"``.
 
     Raises:
         ValueError: a bad cache value or override, an unreachable RPC server, or a model that
@@ -423,8 +441,8 @@ class Llama(llama_cpp.Llama):
                  moe_expert_cache_admit: str = "always", cpu_moe: bool = False, n_cpu_moe: int = 0,
                  override_tensor: str | Sequence[tuple[str, str]] | None = None,
                  rpc_servers: str | None = None, repack: bool = True, moe_stream_cache_mb: int | str = 0,
-                 moe_stream_floor_mb: int = 1536, moe_stream_ceil_mb: int = 0, moe_stream_io_threads: int = 4,
-                 **kwargs):
+                 moe_stream_floor_mb: int | str = "auto", moe_stream_ceil_mb: int = 0,
+                 moe_stream_io_threads: int = 4, dense_weights: str = "auto", **kwargs):
         self._stack = contextlib.ExitStack()  # llama_cpp's __del__ needs it even when we raise first
         slots = _check_count("moe_expert_cache", moe_expert_cache, allow_auto=True)
         inserts = _check_count("moe_expert_cache_inserts", moe_expert_cache_inserts)
@@ -437,7 +455,10 @@ class Llama(llama_cpp.Llama):
         ceil_mb = _check_count("moe_expert_cache_ceil_mb", moe_expert_cache_ceil_mb)
         n_cpu_moe = _check_count("n_cpu_moe", n_cpu_moe)
         stream_mb = _check_count("moe_stream_cache_mb", moe_stream_cache_mb, allow_auto=True)
-        stream_floor = _check_count("moe_stream_floor_mb", moe_stream_floor_mb)
+        stream_floor = _check_count("moe_stream_floor_mb", moe_stream_floor_mb, allow_auto=True)
+        if dense_weights not in DENSE_POLICIES:
+            raise ValueError(f"dense_weights={dense_weights!r} is invalid; accepted: {', '.join(DENSE_POLICIES)}")
+        dense_mode = DENSE_POLICIES[dense_weights]
         stream_ceil = _check_count("moe_stream_ceil_mb", moe_stream_ceil_mb)
         io_threads = _check_count("moe_stream_io_threads", moe_stream_io_threads)
         if not 1 <= io_threads <= 64:
@@ -476,6 +497,8 @@ class Llama(llama_cpp.Llama):
                     params.devices = ctypes.addressof(wrapper._moe_devices)
                 if not repack or stream_mb != 0:
                     params.use_extra_bufts = False  # streamed experts must keep the GGUF layout
+                # with the stream tier, the load leaves the host-resident experts unread (the tier reads them)
+                _llama_lib().llama_moe_stream_hint_lazy_load(os.fsencode(path_model) if stream_mb != 0 else None)
                 super().__init__(path_model=path_model, params=params, verbose=verbose)
                 # the cache belongs to the model: enable it before the context reserves its graphs
                 if slots != 0:
@@ -528,6 +551,10 @@ class Llama(llama_cpp.Llama):
                         self.close()
                         raise ValueError(f"moe_stream_cache_mb={moe_stream_cache_mb!r} was requested but the stream "
                                          "tier did not engage (the engine's log says why)")
+                apply_dense = stream_mb != 0 if dense_mode == LLAMA_MOE_DENSE_AUTO else dense_mode != 0
+                if apply_dense and _llama_lib().llama_model_moe_dense_weights(self.model, dense_mode) < 0:
+                    self.close()
+                    raise ValueError(f"dense_weights={dense_weights!r} could not be applied (the engine's log says why)")
 
         with _lock:
             _internals.LlamaModel = _Model

@@ -83,7 +83,9 @@ def test_a_budget_under_the_minimum_fails_the_load_with_the_arithmetic(tmp_path)
     assert "under the mechanical minimum" in msg and "16 experts" in msg and "give at least 8 MiB" in msg
 
 
-@pytest.mark.parametrize("value,why", [("-5", "non-negative integer"), ("many", "non-negative integer")])
+@pytest.mark.parametrize("value,why", [("-5", "integer in 0 .. 2147483647"), ("many", "integer in 0 .. 2147483647"),
+                                       ("4294967296", "integer in 0 .. 2147483647"),
+                                       ("1000000000000", "integer in 0 .. 2147483647")])
 def test_a_bad_value_is_refused(tmp_path, value, why):
     model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
     with pytest.raises(engine.EngineError) as e:
