@@ -66,7 +66,7 @@ static int32_t llama_moe_dense_pick(const llama_moe_cache * mc) {
                 "pages and every token would read them again; the budget and the %.0f MiB of dense weights fit "
                 "beside each other (%.0f MiB)", file / mib, st.avail_bytes / mib, st.dense_bytes / mib, need / mib);
     }
-    LLAMA_LOG_INFO("llama_moe_dense_pick: dense weights: auto -> %s: %s\n", pick == LLAMA_MOE_DENSE_ANON ? "anon" : "mmap",
+    LLAMA_LOG("llama_moe_dense_pick: dense weights: auto -> %s: %s\n", pick == LLAMA_MOE_DENSE_ANON ? "anon" : "mmap",
             why.c_str());
     return pick;
 }

@@ -193,12 +193,14 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         int64_t floor = floor_auto ? std::clamp<int64_t>(limit / 16, (int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20,
                 (int64_t) LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT << 20) : (int64_t) floor_mib << 20;
         const int64_t room = (int64_t) m.avail() - dense - bounce;
-        int64_t want = room - floor;
+        const int64_t want = room - floor;
+        int64_t room_entries = want > 0 ? want / entry_cost : 0; // what the memory holds, before the caps
+        // the caps: the ceiling (a budget, as a fixed one) and every streamed expert
+        int64_t cap_entries = (int64_t) n_expert * (int64_t) ils.size();
         if (ceil_mib > 0) {
-            want = std::min(want, (int64_t) ceil_mib << 20);
+            cap_entries = std::min<int64_t>(cap_entries, ((int64_t) ceil_mib << 20) / (int64_t) entry);
         }
-        int64_t entries = want > 0 ? want / entry_cost : 0;
-        entries = std::min<int64_t>(entries, (int64_t) n_expert * (int64_t) ils.size());
+        int64_t entries = std::min(room_entries, cap_entries);
         std::string note;
         if (entries < min_entries) {
             // a floor larger than the room must not turn auto into a refusal while a working budget exists:
@@ -208,6 +210,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                 note = format("; WARNING the floor of %.0f MiB leaves less than the minimum, so auto takes the minimum and "
                         "leaves %.0f MiB free", floor / mib, left / mib);
                 entries = min_entries;
+                room_entries = min_entries;
             }
         }
         budget = entries * (int64_t) entry;
@@ -229,7 +232,8 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                     (long long) min_entries, entry / mib, n_ubatch, LLAMA_MOE_STREAM_FLOOR_MIN_MIB);
             return LLAMA_MOE_STREAM_ERR_BUDGET;
         }
-        st.auto_base = budget;
+        st.auto_room_entries = room_entries;
+        st.auto_cap_entries  = cap_entries;
     } else {
         budget = (int64_t) budget_mib << 20;
         if (budget < min_bytes) {

@@ -328,9 +328,9 @@ int64_t llama_moe_stream::resize(int64_t want) {
 }
 
 int64_t llama_moe_stream::auto_room() const {
-    // auto_base holds entries of entry_cost each; the contexts take whole entries from it
+    // the memory held auto_room_entries entries of entry_cost each; the contexts take whole entries from it
     const int64_t drop = (contexts_bytes() + entry_cost - 1) / entry_cost;
-    return (auto_base / (int64_t) entry_bytes - drop) * (int64_t) entry_bytes;
+    return std::min(auto_room_entries - drop, auto_cap_entries) * (int64_t) entry_bytes;
 }
 
 void llama_moe_stream::check_fit() {
@@ -360,12 +360,14 @@ void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t 
     const int64_t room = auto_room();
     const int64_t want = std::max<int64_t>(room, min_bytes);
     LLAMA_LOG("%s: moe-stream: auto: a context takes %.1f MiB of host memory (KV cache %.1f, compute %.1f, output %.1f; "
-            "%zu context(s), %.1f MiB in all) -> budget %.0f MiB\n", __func__, host_bytes / mib, kv / mib, compute / mib,
-            output / mib, contexts.size(), contexts_bytes() / mib, want / mib);
+            "%zu context(s), %.1f MiB in all) -> budget %.2f MiB (%lld experts)\n", __func__, host_bytes / mib, kv / mib,
+            compute / mib, output / mib, contexts.size(), contexts_bytes() / mib, want / mib,
+            (long long) (want / (int64_t) entry_bytes));
     if (room < min_bytes) {
         LLAMA_LOG_WARN("%s: moe-stream: WARNING auto: %.0f MiB before contexts - %.1f MiB of contexts leaves %.0f MiB, under "
                 "the mechanical minimum of %.1f MiB; the tier keeps the minimum and the process may exceed its memory by "
-                "%.0f MiB (give it more memory, a smaller -c or -ub)\n", __func__, auto_base / mib, contexts_bytes() / mib,
+                "%.0f MiB (give it more memory, a smaller -c or -ub)\n", __func__,
+                (double) auto_room_entries * entry_bytes / mib, contexts_bytes() / mib,
                 std::max<int64_t>(room, 0) / mib, min_bytes / mib, (min_bytes - room) / mib);
     }
     if (want != budget_bytes) {

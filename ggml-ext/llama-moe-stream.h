@@ -80,7 +80,8 @@ struct llama_moe_stream {
 
     // sizing facts from init, bytes: what auto sized from, and what a fixed budget is checked against
     bool    is_auto      = false;
-    int64_t auto_base    = 0; // auto's budget before any context
+    int64_t auto_room_entries = 0; // auto: the entries the memory held at init, before the contexts and the caps
+    int64_t auto_cap_entries  = 0; // auto: the most entries it takes (the ceiling, every streamed expert)
     int64_t avail_bytes  = 0; // llama_moe_mem_avail::avail() at init
     int64_t limit_bytes  = 0; // the cgroup's limit, else MemTotal
     int64_t dense_bytes  = 0; // the dense weights in host memory
@@ -109,7 +110,7 @@ struct llama_moe_stream {
     void on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output);
     void on_context_free(const void * ctx);
 
-    // auto's budget beside the live contexts (may be under the minimum)
+    // auto's budget beside the live contexts, bytes (may be under the minimum)
     int64_t auto_room() const;
 
     // one WARN, once, when a fixed budget with the process's other memory exceeds what was available

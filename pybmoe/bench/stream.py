@@ -7,10 +7,13 @@ cgroup that counts the page cache too) and from a cold page cache (:func:`drop_c
 stated:
 
 - ``mmap``: stock llama.cpp, the experts memory-mapped;
+- ``defaults``: ``--moe-stream-cache-mb auto`` and no other flag of the tier: what a user who types
+  only that gets (the auto floor, ``--dense-weights auto``); the headline point;
 - ``stream:B``: ``--moe-stream-cache-mb B`` (``B`` MiB or ``auto``), the experts read from the GGUF
-  into a RAM cache of that budget, the dense weights memory-mapped;
-- ``stream:B+warm``, ``stream:B+anon``: the same with ``--dense-weights warm|anon`` (the dense
-  policies, at the first budget given);
+  into a RAM cache of that budget, the dense policy the engine's default (``auto``), and
+  ``--moe-stream-floor-mb`` when ``floor_mib`` is given;
+- ``stream:B+mmap``, ``stream:B+warm``, ``stream:B+anon``: the same with ``--dense-weights
+  mmap|warm|anon`` (the dense policies, at every budget given);
 - ``resident``: mmap without the limit and with a warm page cache: every expert in RAM, the
   ceiling.
 
@@ -71,56 +74,67 @@ class StreamPoint:
 
     kind: str
     budget: str = ""
-    dense: str = "mmap"
+    dense: str = "auto"
 
     @property
     def name(self) -> str:
         if self.kind != "stream":
             return self.kind
-        return f"stream:{self.budget}" + (f"+{self.dense}" if self.dense != "mmap" else "")
+        return f"stream:{self.budget}" + (f"+{self.dense}" if self.dense != "auto" else "")
 
     @property
     def limited(self) -> bool:
         return self.kind != "resident"
 
 
-DENSE = ("mmap", "warm", "anon")
+DENSE = ("mmap", "warm", "anon", "auto")
 
 
-def points(budgets: Sequence[str], include_resident: bool = True, dense: Sequence[str] = ()) -> list[StreamPoint]:
-    """mmap, one stream point per budget, one more per dense policy (at the first budget), and
-    (optionally) the resident ceiling.
+def points(budgets: Sequence[str], include_resident: bool = True, dense: Sequence[str] = (),
+           defaults: bool = True) -> list[StreamPoint]:
+    """mmap, the ``defaults`` point (unless ``defaults`` is False), one stream point per budget, one
+    more per budget and dense policy, and (optionally) the resident ceiling.
 
     Raises :class:`ValueError` for a budget that is neither ``auto`` nor a positive integer, or an
     unknown dense policy."""
     out = [StreamPoint("mmap")]
+    if defaults:
+        out.append(StreamPoint("defaults", "auto"))
+    bs = []
     for b in budgets:
         b = str(b).strip()
         if b != "auto" and not (b.isdigit() and int(b) > 0):
             raise ValueError(f"budget {b!r}; accepted: a positive number of MiB or 'auto'")
+        bs.append(b)
         out.append(StreamPoint("stream", b))
     for d in dense:
         if d not in DENSE:
             raise ValueError(f"dense policy {d!r}; accepted: {', '.join(DENSE)}")
-        if d != "mmap" and budgets:
-            out.append(StreamPoint("stream", str(budgets[0]).strip(), d))
+    for b in bs:
+        out += [StreamPoint("stream", b, d) for d in dense if d != "auto"]
     if include_resident:
         out.append(StreamPoint("resident"))
     return out
 
 
 def bench_command(model: Path, point: StreamPoint, mode: str, *, n_prompt: int, n_gen: int, threads: int,
-                  ubatch: int, io_threads: int, floor_mib: int, route_replay: Path | None) -> list[str]:
-    """The ``llama-bench`` command line of one run."""
+                  ubatch: int, io_threads: int | None, floor_mib: int | None, route_replay: Path | None) -> list[str]:
+    """The ``llama-bench`` command line of one run (``io_threads``, ``floor_mib``: None leaves the
+    engine's default; the ``defaults`` point never passes them)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}; accepted: {', '.join(MODES)}")
     pn = ["-p", str(n_prompt), "-n", "0"] if mode == "pp" else ["-p", "0", "-n", str(n_gen)]
     cmd = [str(engine.find_binary("llama-bench")), "-m", str(model), *pn, "-r", "1", "-o", "csv", "-v",
            "-t", str(threads), "-ub", str(ubatch), "-b", str(max(ubatch, 1)), "-ngl", "0", "--repack", "0"]
-    if point.kind == "stream":
-        cmd += ["--moe-stream-cache-mb", point.budget, "--moe-stream-io-threads", str(io_threads),
-                "--moe-stream-floor-mb", str(floor_mib)]
-        if point.dense != "mmap":
+    if point.kind == "defaults":
+        cmd += ["--moe-stream-cache-mb", "auto"]
+    elif point.kind == "stream":
+        cmd += ["--moe-stream-cache-mb", point.budget]
+        if io_threads is not None:
+            cmd += ["--moe-stream-io-threads", str(io_threads)]
+        if floor_mib is not None:
+            cmd += ["--moe-stream-floor-mb", str(floor_mib)]
+        if point.dense != "auto":
             cmd += ["--dense-weights", point.dense]
     if route_replay is not None:
         cmd += ["--moe-route-replay", str(route_replay)]
@@ -199,7 +213,7 @@ def predict(runs: pd.DataFrame, summary: pd.DataFrame, model: Path, trace_path: 
     s = summary.copy()
     s["predicted_ts"] = np.nan
     s["disk_mib_s"] = np.nan
-    st = runs[(runs.kind == "stream") & (runs.stream_io_wait_s > 0)]
+    st = runs[runs.kind.isin(["stream", "defaults"]) & (runs.stream_io_wait_s > 0)]
     res = runs[(runs.kind == "resident") & (runs["mode"] == "tg")]
     if st.empty or res.empty:
         return s
@@ -207,7 +221,7 @@ def predict(runs: pd.DataFrame, summary: pd.DataFrame, model: Path, trace_path: 
     shape = sizing.model_shape(model)
     t = tr.read_trace(trace_path)
     for i, r in s.iterrows():
-        if r["mode"] != "tg" or not str(r.point).startswith("stream:"):
+        if r["mode"] != "tg" or not (str(r.point).startswith("stream:") or r.point == "defaults"):
             continue
         budget = runs[(runs.point == r.point)].stream_budget_mb.median()
         p = sizing.predict_stream(shape, t, float(budget), disk_mib_s=disk, resident_tok_s=float(res.avg_ts.median()))
@@ -229,7 +243,8 @@ def plot(summary: pd.DataFrame, out_dir: Path, title: str) -> list[Path]:
         fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(d)), 3.6))
         x = np.arange(len(d))
         err = np.vstack([d.median_ts - d.min_ts, d.max_ts - d.median_ts])
-        ax.bar(x, d.median_ts, yerr=err, capsize=3, color=["#999999" if p == "mmap" else "#4477aa" for p in d.point])
+        ax.bar(x, d.median_ts, yerr=err, capsize=3,
+               color=["#999999" if p == "mmap" else "#cc6677" if p == "defaults" else "#4477aa" for p in d.point])
         for xi, r in zip(x, d.itertuples()):
             ax.annotate(f"{r.ratio:.2f}x", (xi, r.median_ts), ha="center", va="bottom", fontsize=8,
                         xytext=(0, 2), textcoords="offset points")
@@ -246,24 +261,27 @@ def plot(summary: pd.DataFrame, out_dir: Path, title: str) -> list[Path]:
 
 def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_mib: int | None,
                  budgets: Sequence[str] = ("auto",), n_prompt: int = 64, n_gen: int = 32, repeats: int = 3,
-                 threads: int = 2, ubatch: int = 512, io_threads: int = 4, floor_mib: int = 0,
+                 threads: int = 2, ubatch: int = 512, io_threads: int | None = None, floor_mib: int | None = None,
                  route_replay: str | os.PathLike | None = None, include_resident: bool = True, cold: bool = True,
-                 dense: Sequence[str] = (), progress: Callable[[int], None] | None = None) -> StreamBenchResult:
+                 dense: Sequence[str] = (), defaults: bool = True,
+                 progress: Callable[[int], None] | None = None) -> StreamBenchResult:
     """Run the benchmark (see the module doc) and write its CSVs and plots to ``out_dir``.
 
     ``limit_mib``: the memory limit (None: no limit); ``floor_mib``: ``--moe-stream-floor-mb``
-    for ``auto`` (the cgroup's own limit is what auto reads there). ``progress`` is called with 1
-    after each run. Raises :class:`ValueError` for bad arguments and
+    for the ``stream:auto`` points (None: the engine's auto floor); ``io_threads``: read lanes of
+    the stream points (None: the engine's default, 4); ``defaults``: include the ``defaults``
+    point. ``progress`` is called with 1 after each run. Raises :class:`ValueError` for bad arguments and
     :class:`pybmoe.engine.EngineError` when a run fails.
     """
     model = Path(model)
     if not model.is_file():
         raise ValueError(f"model {model} does not exist; accepted: a GGUF file")
     for name, v, lo in (("n_prompt", n_prompt, 1), ("n_gen", n_gen, 1), ("repeats", repeats, 1),
-                        ("threads", threads, 1), ("ubatch", ubatch, 1), ("io_threads", io_threads, 1)):
+                        ("threads", threads, 1), ("ubatch", ubatch, 1), ("io_threads", io_threads or 1, 1),
+                        ("floor_mib", 0 if floor_mib is None else floor_mib, 0)):
         if v < lo:
             raise ValueError(f"{name} {v}; accepted: >= {lo}")
-    pts = points(budgets, include_resident, dense)
+    pts = points(budgets, include_resident, dense, defaults)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []

@@ -16,7 +16,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="pybmoe bench-stream",
         description="Run a model larger than a memory limit three ways on the CPU: stock mmap, the stream tier "
-                    "(--moe-stream-cache-mb) at each budget, and every expert resident (no limit, warm). pp and tg "
+                    "at its defaults (--moe-stream-cache-mb auto and nothing else) and at each budget, and every expert resident (no limit, warm). pp and tg "
                     "are separate llama-bench runs from a cold page cache, interleaved over repeats; writes "
                     "DIR/stream-runs.csv, DIR/stream-summary.csv and DIR/stream-{pp,tg}.png (medians, ratios "
                     "over mmap, hit %, MiB read and major faults per token, io wait).")
@@ -24,18 +24,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="output folder")
     ap.add_argument("--limit-mb", type=int, default=None,
                     help="memory limit of the limited runs, MiB (a cgroup: page cache included; needs root)")
-    ap.add_argument("--budgets", default="auto", help="stream budgets, comma-separated MiB or auto (default auto)")
+    ap.add_argument("--budgets", default="", help="fixed stream budgets beside the defaults point, comma-separated MiB "
+                                                 "or auto (default none: mmap, defaults and resident only)")
     ap.add_argument("--route-replay", type=Path, default=None, help="routing trace every MoE layer replays (CSV)")
     ap.add_argument("-p", "--n-prompt", type=int, default=64, help="prompt tokens of the pp runs (default 64)")
     ap.add_argument("-n", "--n-gen", type=int, default=32, help="generated tokens of the tg runs (default 32)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats of every point (default 3)")
     ap.add_argument("-t", "--threads", type=int, default=2, help="threads (default 2)")
     ap.add_argument("-ub", "--ubatch", type=int, default=512, help="ubatch, tokens (default 512)")
-    ap.add_argument("--io-threads", type=int, default=4, help="read lanes of the stream tier (default 4)")
-    ap.add_argument("--floor-mb", type=int, default=0, help="--moe-stream-floor-mb for auto (default 0: under a "
-                                                           "cgroup limit auto reads the cgroup's room)")
-    ap.add_argument("--dense", default="", help="extra stream points at the first budget with these --dense-weights "
-                                                "policies, comma-separated: warm, anon (default none)")
+    ap.add_argument("--io-threads", type=int, default=None, help="read lanes of the budget points (default: the "
+                                                                 "engine's, 4)")
+    ap.add_argument("--floor-mb", type=int, default=None, help="--moe-stream-floor-mb of the budget points (default: "
+                                                               "the engine's auto floor)")
+    ap.add_argument("--dense", default="", help="extra stream points at every budget with these --dense-weights "
+                                                "policies, comma-separated: mmap, warm, anon (default none)")
+    ap.add_argument("--no-defaults", action="store_true", help="skip the defaults point (--moe-stream-cache-mb auto "
+                                                               "and nothing else)")
     ap.add_argument("--no-resident", action="store_true", help="skip the all-resident ceiling")
     ap.add_argument("--warm", action="store_true", help="do not drop the page cache before each run")
     a = ap.parse_args(argv)
@@ -43,12 +47,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         budgets = [b for b in a.budgets.split(",") if b.strip()]
         dense = [d for d in a.dense.split(",") if d.strip()]
-        n_runs = len(stream.points(budgets, not a.no_resident, dense)) * len(stream.MODES) * a.repeats
+        n_runs = len(stream.points(budgets, not a.no_resident, dense, not a.no_defaults)) * len(stream.MODES) * a.repeats
         with tqdm(total=n_runs, desc="bench-stream", unit="run", file=sys.stderr) as bar:
             res = stream.bench_stream(a.model, a.out, limit_mib=a.limit_mb, budgets=budgets, n_prompt=a.n_prompt,
                                       n_gen=a.n_gen, repeats=a.repeats, threads=a.threads, ubatch=a.ubatch,
                                       io_threads=a.io_threads, floor_mib=a.floor_mb, route_replay=a.route_replay,
                                       include_resident=not a.no_resident, cold=not a.warm, dense=dense,
+                                      defaults=not a.no_defaults,
                                       progress=bar.update)
     except ValueError as e:
         print(f"pybmoe bench-stream: error: {e}", file=sys.stderr)

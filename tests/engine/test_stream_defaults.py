@@ -1,0 +1,225 @@
+"""The disk tier at its defaults, on a fake ``/proc`` and cgroup tree (``PYBMOE_MEM_ROOT``): no root,
+no real limit. The arithmetic of ``--moe-stream-cache-mb auto`` is recomputed here from the GGUF and
+the rule in docs/stream-tier.md, and must equal the engine's to the entry:
+
+- budget entries = (available - dense weights - read buffers - floor) // (entry + page rounding),
+  where available = min(MemAvailable, cgroup limit - (usage - page cache)) and the floor is
+  1/16 of the limit (the cgroup's, else MemTotal), 64 .. 1536 MiB;
+- each context's host memory (KV cache, compute, output) is then set aside in whole entries;
+- a floor that leaves less than the minimum shrinks while 64 MiB stay free; below that, a refusal
+  in one line with the arithmetic;
+- a fixed budget that does not fit gets one WARN; ``--dense-weights auto`` picks anon exactly when
+  the GGUF is larger than what is available, and every pick stays bit-identical.
+
+The model: 2 layers, 16 experts, top-3, Q8_0 (one entry 0.50 MiB, 16 MiB of experts), ~80 MiB dense.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from pybmoe import engine, models
+
+SHAPE = dict(n_layer=2, n_expert=16, n_expert_used=3, n_embd=512, n_ff_exp=320)
+MIB = 1024 * 1024
+PAGE = os.sysconf("SC_PAGESIZE")
+LANES = 4
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+
+
+@pytest.fixture(scope="module")
+def facts(model):
+    """dense bytes, one entry's bytes, the largest projection's expert bytes, projections per entry,
+    the number of streamed entries, the minimum at ubatch 1 (top-3), from the GGUF itself."""
+    import gguf
+    r = gguf.GGUFReader(str(model))
+    dense = sum(int(t.n_bytes) for t in r.tensors if "_exps.weight" not in t.name)
+    exps = [t for t in r.tensors if "_exps.weight" in t.name]
+    per_layer: dict[str, list[int]] = {}
+    for t in exps:
+        per_layer.setdefault(t.name.split(".")[1], []).append(int(t.n_bytes) // SHAPE["n_expert"])
+    entry = max(sum(v) for v in per_layer.values())
+    proj = max(max(v) for v in per_layer.values())
+    n_proj = max(len(v) for v in per_layer.values())
+    return dict(dense=dense, entry=entry, proj=proj, n_proj=n_proj, total=SHAPE["n_layer"] * SHAPE["n_expert"],
+                min_entries=SHAPE["n_expert_used"], file=model.stat().st_size)
+
+
+def bounce(f) -> int:
+    return LANES * (min(f["proj"], 8 * MIB) + 2 * 4096)
+
+
+def cost(f) -> int:
+    return f["entry"] + 2 * PAGE * f["n_proj"]
+
+
+def fake_root(tmp: Path, *, avail_mib: float, total_mib: float = 32768, cgroup: str | None = None,
+              limit_mib: float = 0, usage_mib: float = 0, cache_mib: float = 0) -> Path:
+    """A folder with proc/meminfo, proc/self/cgroup and (v1 or v2) the cgroup's files."""
+    root = tmp / f"root-{cgroup}-{avail_mib}-{limit_mib}"
+    (root / "proc" / "self").mkdir(parents=True, exist_ok=True)
+    (root / "proc" / "meminfo").write_text(f"MemTotal:       {int(total_mib * 1024)} kB\n"
+                                           f"MemFree:        {int(avail_mib * 1024)} kB\n"
+                                           f"MemAvailable:   {int(avail_mib * 1024)} kB\n")
+    if cgroup == "v1":
+        (root / "proc" / "self" / "cgroup").write_text("12:cpu,cpuacct:/\n5:memory:/box\n0::/\n")
+        d = root / "sys" / "fs" / "cgroup" / "memory" / "box"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.limit_in_bytes").write_text(f"{int(limit_mib * MIB)}\n")
+        (d / "memory.usage_in_bytes").write_text(f"{int(usage_mib * MIB)}\n")
+        (d / "memory.stat").write_text(f"cache 0\nrss 0\ntotal_cache {int(cache_mib * MIB)}\ntotal_rss 0\n")
+    elif cgroup == "v2":
+        (root / "proc" / "self" / "cgroup").write_text("0::/box\n")
+        d = root / "sys" / "fs" / "cgroup" / "box"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.max").write_text(f"{int(limit_mib * MIB)}\n")
+        (d / "memory.current").write_text(f"{int(usage_mib * MIB)}\n")
+        (d / "memory.stat").write_text(f"anon 0\nfile {int(cache_mib * MIB)}\n")
+    else:
+        (root / "proc" / "self" / "cgroup").write_text("0::/\n")
+    return root
+
+
+def run(model, tmp, root: Path | None, extra: list[str], name: str, n_predict: int = 4) -> engine.LogitsRun:
+    env = {k: v for k, v in os.environ.items() if k != "PYBMOE_MEM_ROOT"}
+    if root is not None:
+        env["PYBMOE_MEM_ROOT"] = str(root)
+    return engine.run_logits(model, tmp / f"{name}.bin", ["-ngl", "0", "--no-repack", "-ub", "1", "-b", "64", *extra],
+                             n_predict=n_predict, ctx=128, env=env)
+
+
+def expected_entries(f, avail: int, limit: int, floor: int | None = None) -> int:
+    if floor is None:
+        floor = min(max(limit // 16, 64 * MIB), 1536 * MIB)
+    return min((avail - f["dense"] - bounce(f) - floor) // cost(f), f["total"])
+
+
+def auto_line(log: str) -> str:
+    return next(ln for ln in log.splitlines() if "moe-stream: auto:" in ln and "available" in ln)
+
+
+@pytest.mark.parametrize("cgroup", ["v1", "v2", None])
+def test_auto_follows_the_rule_under_a_cgroup_and_without_one(model, facts, tmp_path, cgroup):
+    base = run(model, tmp_path, None, [], "base")
+    room_mib = (facts["dense"] + bounce(facts)) / MIB + 64 + 6  # 6 MiB of experts above the floor
+    if cgroup:
+        # the limit is what the process lives in; its usage less its page cache is gone already
+        limit, usage, cache = 1000.0, 1000.0 - room_mib + 300, 300.0
+        root = fake_root(tmp_path, avail_mib=20000, cgroup=cgroup, limit_mib=limit, usage_mib=usage, cache_mib=cache)
+        avail, lim = int(limit * MIB) - int(usage * MIB) + int(cache * MIB), int(limit * MIB)
+    else:
+        root = fake_root(tmp_path, avail_mib=room_mib, total_mib=1000)  # a plain machine: MemAvailable binds
+        avail, lim = int(room_mib * 1024) * 1024, 1000 * MIB
+    r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], f"auto-{cgroup}")
+    line = auto_line(r.log)
+    want = expected_entries(facts, avail, lim)
+    assert 3 <= want < facts["total"], want  # the room binds, not the experts' total
+    assert f"-> {want} experts of" in line, line
+    assert "64 MiB floor (auto: 1/16 of the 1000 MiB" in line and "PYBMOE_MEM_ROOT" in line
+    assert f"budget_mb={want * facts['entry'] / MIB:.2f}" in r.log
+    # the context's host memory comes off in whole entries, once it exists
+    ctx = re.search(r"a context takes ([\d.]+) MiB of host memory", r.log)
+    assert ctx, r.log[-3000:]
+    taken = -(-int(float(ctx.group(1)) * MIB) // cost(facts))
+    after = max(want - taken, facts["min_entries"])
+    assert f"-> budget {after * facts['entry'] / MIB:.2f} MiB ({after} experts)" in r.log, r.log[-3000:]
+    assert r.tokens == base.tokens and r.logits == base.logits
+
+
+def test_a_floor_larger_than_the_room_shrinks_to_the_minimum_with_a_warn(model, facts, tmp_path):
+    base = run(model, tmp_path, None, [], "base")
+    room_mib = (facts["dense"] + bounce(facts)) / MIB + 64 + 3  # the minimum (1.5 MiB) + 64 fit, a 500 MiB floor not
+    root = fake_root(tmp_path, avail_mib=room_mib, total_mib=1000)
+    r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto", "--moe-stream-floor-mb", "500"], "floor")
+    line = auto_line(r.log)
+    assert f"-> {facts['min_entries']} experts of" in line and "WARNING the floor of 500 MiB leaves less" in line
+    assert r.logits == base.logits
+
+
+def test_a_limit_under_the_minimum_is_refused_in_one_line_with_the_arithmetic(model, facts, tmp_path):
+    room_mib = (facts["dense"] + bounce(facts)) / MIB + 30  # under 64 MiB + the minimum
+    root = fake_root(tmp_path, avail_mib=room_mib, total_mib=1000)
+    with pytest.raises(engine.EngineError) as e:
+        run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "tiny")
+    err = [ln for ln in str(e.value).splitlines() if "under the mechanical minimum" in ln]
+    assert len(err) == 1, str(e.value)[-2000:]
+    assert "MiB dense" in err[0] and "read buffers" in err[0] and "3 experts of 0.50 MiB" in err[0]
+    assert "cannot hold one layer step" in str(e.value)
+
+
+def test_a_fixed_budget_that_does_not_fit_gets_one_warn(model, facts, tmp_path):
+    room_mib = (facts["dense"] + bounce(facts)) / MIB + 4
+    root = fake_root(tmp_path, avail_mib=room_mib, total_mib=1000)
+    r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "12"], "over")
+    assert r.log.count("WARNING --moe-stream-cache-mb 12 MiB does not fit") == 1, r.log[-3000:]
+    ok = run(model, tmp_path, None, ["--moe-stream-cache-mb", "12"], "fits")
+    assert "does not fit" not in ok.log
+
+
+def test_dense_auto_picks_anon_only_when_the_gguf_does_not_fit_and_stays_exact(model, facts, tmp_path):
+    base = run(model, tmp_path, None, [], "base")
+    # less than the GGUF is available, but the 4 MiB budget and the dense weights fit beside each other
+    avail = facts["file"] / MIB - 5
+    assert (facts["dense"] + bounce(facts)) / MIB + 4 * 1.1 < avail
+    small = fake_root(tmp_path, avail_mib=avail, total_mib=1000)
+    r = run(model, tmp_path, small, ["--moe-stream-cache-mb", "4"], "dense-small")
+    assert r.log.count("dense weights: auto -> anon: the GGUF") == 1 and "weights into anonymous memory" in r.log
+    assert r.tokens == base.tokens and r.logits == base.logits
+    # a budget that does not fit beside them: mapped pages can be reclaimed, anonymous ones cannot
+    tight = run(model, tmp_path, small, ["--moe-stream-cache-mb", "16"], "dense-tight")
+    assert tight.log.count("dense weights: auto -> mmap: the budget, the dense weights") == 1
+    roomy = run(model, tmp_path, None, ["--moe-stream-cache-mb", "auto"], "dense-roomy")
+    assert roomy.log.count("dense weights: auto -> mmap: the GGUF") == 1
+    assert "anonymous memory" not in roomy.log and roomy.logits == base.logits
+    for policy in ("mmap", "warm", "anon", "auto"):
+        p = run(model, tmp_path, small, ["--moe-stream-cache-mb", "4", "--dense-weights", policy], f"dense-{policy}")
+        assert p.tokens == base.tokens and p.logits == base.logits, policy
+    off = run(model, tmp_path, None, [], "dense-off")  # no tier: auto does nothing and says nothing
+    assert "dense weights" not in off.log
+
+
+def test_a_bad_dense_policy_is_refused(model, tmp_path):
+    with pytest.raises(engine.EngineError, match="--dense-weights expects auto, mmap, warm or anon, got 'lots'"):
+        run(model, tmp_path, None, ["--moe-stream-cache-mb", "4", "--dense-weights", "lots"], "bad")
+
+
+LOAD_SCRIPT = r"""
+import os, resource, sys
+import pybmoe
+path, stream = sys.argv[1], int(sys.argv[2])
+fd = os.open(path, os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # a cold file, without root
+os.close(fd)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_inblock
+llm = pybmoe.Llama(path, n_ctx=64, n_gpu_layers=0, repack=False, moe_stream_cache_mb=stream, verbose=False)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_inblock - before) * 512)
+llm.close()
+"""
+
+
+def test_the_load_reads_only_the_dense_weights(model, facts, tmp_path):
+    """Block input of the load alone (the Python binding builds the model and its context, no token):
+    with the tier, at most the bytes that are not streamed experts plus 5 %; stock mmap reads the file."""
+    import subprocess
+    import sys
+
+    def load(stream: int) -> int:
+        r = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(model), str(stream)], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return int(r.stdout.split()[-1])
+
+    stock = load(0)
+    if stock < facts["file"] // 2:
+        pytest.skip(f"this file system does not account block input ({stock} bytes for a {facts['file']} byte load)")
+    not_streamed = facts["file"] - facts["total"] * facts["entry"]
+    streamed = load(12)
+    assert streamed <= not_streamed * 1.05, (streamed, not_streamed, stock)
+    assert stock >= facts["file"] * 0.9
