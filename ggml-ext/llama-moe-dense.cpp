@@ -58,7 +58,7 @@ static int32_t llama_moe_dense_pick(const llama_moe_cache * mc) {
         why = format("the GGUF (%.0f MiB) fits in the %.0f MiB available: the page cache can keep the dense weights",
                 file / mib, st.avail_bytes / mib);
     } else if (need > st.avail_bytes) {
-        why = format("the budget, the dense weights and the read buffers need %.0f MiB, more than the %.0f MiB available: "
+        why = format("the budget and the dense weights need %.0f MiB, more than the %.0f MiB available: "
                 "anonymous memory cannot be reclaimed, mapped pages can", need / mib, st.avail_bytes / mib);
     } else {
         pick = LLAMA_MOE_DENSE_ANON;

@@ -261,6 +261,33 @@ bool llama_moe_reader::read_one(lane & ln, const llama_moe_read & job, std::stri
         bytes_read += job.nbytes;
         return true;
     }
+    if (job.in_place && (((uintptr_t) job.dst - job.offs) & (align - 1)) == 0) {
+        // the aligned window around the range, read straight into place: its extra bytes at either end are
+        // the neighbours' own bytes from the same file (or the reservation's slack)
+        const size_t w0 = job.offs & ~(align - 1);
+        const size_t w1 = (job.offs + job.nbytes + align - 1) & ~(align - 1);
+        uint8_t * d = (uint8_t *) job.dst - (job.offs - w0);
+        size_t got = 0;
+        while (got < w1 - w0) {
+            const ssize_t n = pread(fd_direct[job.file], d + got, w1 - w0 - got, (off_t) (w0 + got));
+            if (n < 0) {
+                err = format("moe-stream: read failed at offset %zu of %s (%s)", w0 + got, paths[job.file].c_str(), strerror(errno));
+                return false;
+            }
+            if (n == 0) {
+                break; // end of file: the window may run past it, the range may not
+            }
+            got += (size_t) n;
+        }
+        if (got < (job.offs - w0) + job.nbytes) {
+            err = format("moe-stream: short read: %zu of %zu bytes at offset %zu of %s (end of file: truncated or "
+                    "changed on disk?)", got > job.offs - w0 ? got - (job.offs - w0) : 0, job.nbytes, job.offs,
+                    paths[job.file].c_str());
+            return false;
+        }
+        bytes_read += got;
+        return true;
+    }
     // the aligned window around the range, read in chunks of at most 8 MiB into the lane's bounce buffer
     constexpr size_t chunk = 8u << 20;
     size_t pos = job.offs;                 // next byte of the range to copy

@@ -109,17 +109,22 @@ private:
     bool    q_stop = false;
 };
 
-// one range to read: nbytes at offs of file `file` into dst
+// one range to read: nbytes at offs of file `file` into dst. in_place: dst shares the file offset's
+// alignment (dst - offs is a multiple of 4096) and the aligned window around the range may be written
+// around dst (the bytes there are the file's own, or free), so an O_DIRECT read lands there directly,
+// with no bounce buffer and no copy
 struct llama_moe_read {
     uint16_t file;
     size_t   offs;
     size_t   nbytes;
     void *   dst;
+    bool     in_place = false;
 };
 
 // Reads ranges of the source files into memory on n_lanes threads at once. With O_DIRECT (the page
-// cache stays out of it) each lane reads the aligned window around a range into its own aligned
-// bounce buffer and copies the range out: GGUF tensor offsets are only 32-byte aligned. At open a
+// cache stays out of it) each lane reads the aligned window around a range in place when the job
+// allows it (llama_moe_read::in_place), else into its own aligned bounce buffer and copies the range
+// out: GGUF tensor offsets are only 32-byte aligned. At open a
 // direct read of one block of each file is compared with a buffered read; a file system that
 // refuses O_DIRECT, or returns other bytes through it, gets buffered reads (fallback_reason says
 // why). PYBMOE_MOE_STREAM_NO_ODIRECT=1 in the environment makes the open refuse O_DIRECT (the

@@ -144,33 +144,26 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     const double  mib = 1024.0 * 1024.0;
 
     // what the process needs beside the budget, known at load: the dense weights in host memory (every
-    // token touches them; BigMoeOnEdge's auto over-asks when it sizes before them), the read lanes'
-    // bounce buffers and the pages an entry's partial pages commit beyond its bytes. The contexts'
-    // KV cache, compute and output buffers are set aside as each context is created (on_context).
+    // token touches them; BigMoeOnEdge's auto over-asks when it sizes before them) and the pages an
+    // entry's partial pages commit beyond its bytes (the read lanes read in place and hold no buffers:
+    // llama_moe_read::in_place). The contexts' KV cache, compute and output buffers are set aside as
+    // each context is created (on_context).
     int64_t dense = 0;
     for (const auto & [name, t] : model->tensors_by_name) {
         if (t->buffer != nullptr && ggml_backend_buffer_is_host(t->buffer) && name.find("_exps.weight") == std::string::npos) {
             dense += (int64_t) ggml_nbytes(t);
         }
     }
-    size_t proj_max = 0;
-    int    n_proj_max = 1;
+    int n_proj_max = 1;
     for (int il : ils) {
         const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
-        const int n_proj = llama_moe_layer_exps(model->layers[il], exps);
-        n_proj_max = std::max(n_proj_max, n_proj);
-        for (int p = 0; p < n_proj; ++p) {
-            proj_max = std::max(proj_max, exps[p]->nb[2]);
-        }
+        n_proj_max = std::max(n_proj_max, llama_moe_layer_exps(model->layers[il], exps));
     }
 #if !defined(_WIN32)
     const int64_t page = (int64_t) sysconf(_SC_PAGESIZE);
 #else
     const int64_t page = 4096;
 #endif
-    // a lane's bounce buffer holds the aligned window around one projection's expert, read in chunks of at
-    // most 8 MiB (llama_moe_reader::read_one)
-    const int64_t bounce = (int64_t) io_threads * (std::min<int64_t>((int64_t) proj_max, 8 << 20) + 2 * 4096);
     // an entry commits up to one partial page at each end of each projection beyond its bytes
     const int64_t entry_cost = (int64_t) entry + 2 * page * n_proj_max;
 
@@ -178,7 +171,6 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     st.avail_bytes  = (int64_t) m.avail();
     st.limit_bytes  = (int64_t) m.limit();
     st.dense_bytes  = dense;
-    st.bounce_bytes = bounce;
     st.entry_cost   = entry_cost;
     st.is_auto      = is_auto;
 
@@ -192,7 +184,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         const bool floor_auto = floor_mib == LLAMA_MOE_STREAM_FLOOR_AUTO;
         int64_t floor = floor_auto ? std::clamp<int64_t>(limit / 16, (int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20,
                 (int64_t) LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT << 20) : (int64_t) floor_mib << 20;
-        const int64_t room = (int64_t) m.avail() - dense - bounce;
+        const int64_t room = (int64_t) m.avail() - dense;
         const int64_t want = room - floor;
         int64_t room_entries = want > 0 ? want / entry_cost : 0; // what the memory holds, before the caps
         // the caps: the ceiling (a budget, as a fixed one) and every streamed expert
@@ -214,21 +206,20 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             }
         }
         budget = entries * (int64_t) entry;
-        LLAMA_LOG("%s: moe-stream: auto: %s -> %.0f MiB available - %.0f MiB dense weights in host memory - %.1f MiB "
-                "read buffers (%d lanes) - %.0f MiB floor%s%s -> %lld experts of %.3f MiB (+%.0f KiB page rounding "
-                "each) = budget %.0f MiB (experts %.0f MiB, minimum %.0f MiB); each context's host memory (KV cache, "
-                "compute, output) is set aside when it is created%s\n", __func__, m.describe().c_str(), m.avail() / mib,
-                dense / mib, bounce / mib, io_threads, floor / mib,
+        LLAMA_LOG("%s: moe-stream: auto: %s -> %.0f MiB available - %.0f MiB dense weights in host memory - %.0f MiB "
+                "floor%s%s -> %lld experts of %.3f MiB (+%.0f KiB page rounding each) = budget %.0f MiB (experts %.0f MiB, "
+                "minimum %.0f MiB); each context's host memory (KV cache, compute, output) is set aside when it is "
+                "created%s\n", __func__, m.describe().c_str(), m.avail() / mib, dense / mib, floor / mib,
                 floor_auto ? format(" (auto: 1/16 of the %.0f MiB %s, %d .. %d MiB)", limit / mib,
                         m.cgroup_limit ? "limit" : "of RAM", LLAMA_MOE_STREAM_FLOOR_MIN_MIB,
                         LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT).c_str() : "",
                 ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", (long long) entries, entry / mib,
                 (entry_cost - (int64_t) entry) / 1024.0, budget / mib, total / mib, min_bytes / mib, note.c_str());
         if (entries < min_entries) {
-            LLAMA_LOG_ERROR("%s: moe-stream: auto: %.0f MiB available - %.0f MiB dense - %.1f MiB read buffers leaves %.0f "
-                    "MiB, under the mechanical minimum of %.1f MiB (%lld experts of %.2f MiB: the most one layer step needs "
-                    "at ubatch %d) plus %d MiB; give the process more memory or a smaller -ub\n", __func__,
-                    m.avail() / mib, dense / mib, bounce / mib, std::max<int64_t>(room, 0) / mib, min_bytes / mib,
+            LLAMA_LOG_ERROR("%s: moe-stream: auto: %.0f MiB available - %.0f MiB dense weights leaves %.0f MiB, under the "
+                    "mechanical minimum of %.1f MiB (%lld experts of %.2f MiB: the most one layer step needs at ubatch %d) "
+                    "plus %d MiB; give the process more memory or a smaller -ub\n", __func__,
+                    m.avail() / mib, dense / mib, std::max<int64_t>(room, 0) / mib, min_bytes / mib,
                     (long long) min_entries, entry / mib, n_ubatch, LLAMA_MOE_STREAM_FLOOR_MIN_MIB);
             return LLAMA_MOE_STREAM_ERR_BUDGET;
         }
@@ -266,7 +257,9 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             l.expert_nbytes[p] = exps[p]->nb[2];
 #if !defined(_WIN32)
             const size_t page = (size_t) sysconf(_SC_PAGESIZE);
-            l.region_bytes[p] = (ggml_nbytes(exps[p]) + page - 1) & ~(page - 1);
+            // the tensor starts at its file offset's place in a 4 KiB block; one block of slack after it
+            const size_t lead = l.src[p].offs & 4095;
+            l.region_bytes[p] = (lead + ggml_nbytes(exps[p]) + 4096 + page - 1) & ~(page - 1);
             void * r = mmap(nullptr, l.region_bytes[p], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
             if (r == MAP_FAILED) {
                 LLAMA_LOG_ERROR("%s: moe-stream: cannot reserve %.1f MiB of address space for %s; the stream tier is OFF\n",
@@ -277,6 +270,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                 return -1;
             }
             l.region[p] = r;
+            l.base[p] = (uint8_t *) r + lead;
 #endif
         }
         st.layer_of_il[il] = l.li;
@@ -296,7 +290,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     // only now, with everything in place: the tensors read from the reservations
     for (auto & l : st.layers) {
         for (int p = 0; p < l.n_proj; ++p) {
-            l.exps[p]->data = l.region[p];
+            l.exps[p]->data = l.base[p];
         }
     }
     st.entry_bytes  = entry;

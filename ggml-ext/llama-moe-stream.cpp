@@ -102,7 +102,7 @@ int32_t llama_moe_stream::pin(int32_t il, int32_t e, const void * mem[LLAMA_MOE_
     }
     pins[entry]++;
     for (int p = 0; p < l.n_proj; ++p) {
-        mem[p] = (const uint8_t *) l.region[p] + (size_t) e * l.expert_nbytes[p];
+        mem[p] = l.base[p] + (size_t) e * l.expert_nbytes[p];
     }
     return entry;
 }
@@ -137,7 +137,7 @@ void llama_moe_stream::release(const std::vector<int32_t> & entries) {
         const size_t e = (size_t) (entry % lru.n_expert);
         for (int p = 0; p < l.n_proj; ++p) {
             // only the pages that lie wholly inside this expert's bytes: a neighbour may share the others
-            const uintptr_t b0 = (uintptr_t) l.region[p] + e * l.expert_nbytes[p];
+            const uintptr_t b0 = (uintptr_t) l.base[p] + e * l.expert_nbytes[p];
             const uintptr_t b1 = b0 + l.expert_nbytes[p];
             const uintptr_t p0 = (b0 + page - 1) & ~(uintptr_t) (page - 1);
             const uintptr_t p1 = b1 & ~(uintptr_t) (page - 1);
@@ -210,7 +210,7 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
                 j++;
             }
             const size_t e = (size_t) experts[i];
-            jobs.push_back({ l.src[p].file, l.src[p].offs + e * n, (j - i) * n, (uint8_t *) l.region[p] + e * n });
+            jobs.push_back({ l.src[p].file, l.src[p].offs + e * n, (j - i) * n, l.base[p] + e * n, /*in_place =*/ true });
             nbytes += (j - i) * n;
             i = j;
         }
@@ -343,11 +343,11 @@ void llama_moe_stream::check_fit() {
     const int64_t other = need - (budget_bytes / (int64_t) entry_bytes) * entry_cost;
     const int64_t fits = std::max<int64_t>(0, (avail_bytes - other) / entry_cost * (int64_t) entry_bytes);
     LLAMA_LOG_WARN("llama_moe_stream: moe-stream: WARNING --moe-stream-cache-mb %.0f MiB does not fit: with %.0f MiB dense "
-            "weights, %.1f MiB read buffers and %.0f MiB of contexts' host memory the process needs %.0f MiB, %.0f MiB more "
-            "than the %.0f MiB available at load (limit %.0f MiB); the dense weights' pages will be reclaimed and read "
-            "again (or, with --dense-weights anon, the process may be killed); give at most %.0f MiB or auto\n",
-            budget_bytes / mib, dense_bytes / mib, bounce_bytes / mib, contexts_bytes() / mib, need / mib,
-            (need - avail_bytes) / mib, avail_bytes / mib, limit_bytes / mib, fits / mib);
+            "weights and %.0f MiB of contexts' host memory the process needs %.0f MiB, %.0f MiB more than the %.0f MiB "
+            "available at load (limit %.0f MiB); the dense weights' pages will be reclaimed and read again (or, with "
+            "--dense-weights anon, the process may be killed); give at most %.0f MiB or auto\n",
+            budget_bytes / mib, dense_bytes / mib, contexts_bytes() / mib, need / mib, (need - avail_bytes) / mib,
+            avail_bytes / mib, limit_bytes / mib, fits / mib);
 }
 
 void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output) {

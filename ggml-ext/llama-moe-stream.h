@@ -42,6 +42,10 @@ struct llama_moe_stream_layer {
     size_t           expert_nbytes[LLAMA_MOE_N_PROJ] = {};
     void *           region[LLAMA_MOE_N_PROJ] = {};      // anonymous reservation the tensor is rebound to
     size_t           region_bytes[LLAMA_MOE_N_PROJ] = {};
+    // where the tensor's bytes start in the reservation: region + (file offset mod 4096), so that an expert's
+    // address and its file offset share their alignment and an O_DIRECT read of the aligned window around
+    // it lands in place (the window's extra bytes are its neighbours' own bytes, or the reservation's slack)
+    uint8_t *        base[LLAMA_MOE_N_PROJ] = {};
 
     std::vector<int8_t> hits_now; // per lookup of the last step: 1 hit, 0 miss, -1 computed on a device
     uint64_t hits   = 0;
@@ -85,7 +89,6 @@ struct llama_moe_stream {
     int64_t avail_bytes  = 0; // llama_moe_mem_avail::avail() at init
     int64_t limit_bytes  = 0; // the cgroup's limit, else MemTotal
     int64_t dense_bytes  = 0; // the dense weights in host memory
-    int64_t bounce_bytes = 0; // the read lanes' bounce buffers
     int64_t entry_cost   = 0; // an entry's bytes plus the partial pages it can commit
     std::map<const void *, int64_t> contexts; // live contexts -> their host memory (KV cache, compute, output)
     bool    over_warned  = false;
@@ -100,7 +103,7 @@ struct llama_moe_stream {
 
     // what the budget and everything beside it need, bytes (the fixed budget's check)
     int64_t need_bytes() const {
-        return (budget_bytes / (int64_t) entry_bytes) * entry_cost + dense_bytes + bounce_bytes + contexts_bytes();
+        return (budget_bytes / (int64_t) entry_bytes) * entry_cost + dense_bytes + contexts_bytes();
     }
 
     // a context was created (its host memory: KV cache, compute and output buffers) or freed. auto sets

@@ -50,13 +50,63 @@ def wait_for_rpc(endpoints: list[str], timeout_s: float, err=None) -> str | None
     return None
 
 
+def memory_limit_arg(argv: list[str]) -> tuple[int | None, list[str]]:
+    """``--memory-limit-mb N`` (or ``--memory-limit-mb=N``) taken out of a llama-server command line:
+    (N, the rest), or (None, argv) when absent.
+
+    Raises :class:`ValueError` for a value that is not an integer >= 16 (MiB)."""
+    rest, limit = [], None
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--memory-limit-mb" or a.startswith("--memory-limit-mb="):
+            if "=" in a:
+                v = a.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                v = argv[i + 1]
+                i += 1
+            else:
+                raise ValueError("--memory-limit-mb needs a value (MiB)")
+            if not v.strip().isdigit() or int(v) < 16:
+                raise ValueError(f"--memory-limit-mb expects an integer >= 16 (MiB), got {v!r}")
+            limit = int(v)
+        else:
+            rest.append(a)
+        i += 1
+    return limit, rest
+
+
+def _serve_limited(exe: str, argv: list[str], limit_mib: int) -> int:
+    """Runs llama-server as a child inside a memory cgroup of ``limit_mib`` MiB (page cache included),
+    forwards SIGINT and SIGTERM to it, and removes the cgroup when it exits. Returns its exit status."""
+    import signal
+    from ..engine import memlimit
+    ok, why = memlimit.limit_available()
+    if not ok:
+        print(f"pybmoe serve: error: --memory-limit-mb {limit_mib}: {why}; run as root on a machine with the cgroup "
+              "memory controller, or put the server under a limit yourself (docs/stream-tier.md, \"Under a memory "
+              "limit\")", file=sys.stderr)
+        return 2
+    with memlimit.MemoryLimit(limit_mib) as lim:
+        print(f"pybmoe serve: llama-server runs under a {limit_mib} MiB memory limit (cgroup {lim.path}, page cache "
+              "included)", file=sys.stderr, flush=True)
+        p = subprocess.Popen(lim.wrap([exe, *argv]))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda n, _f: p.send_signal(n))
+        rc = p.wait()
+    return 128 - rc if rc < 0 else rc
+
+
 def serve_main(argv: list[str]) -> int:
-    """``pybmoe serve ARGS...``: exec the patched llama-server (every upstream flag passes through),
-    once every ``--rpc`` endpoint accepts connections (stock llama-server aborts with a backtrace when
-    one does not yet: ``Failed to connect to host:port``)."""
+    """``pybmoe serve [--memory-limit-mb N] ARGS...``: exec the patched llama-server (every upstream flag
+    passes through), once every ``--rpc`` endpoint accepts connections (stock llama-server aborts with a
+    backtrace when one does not yet: ``Failed to connect to host:port``). ``--memory-limit-mb N`` runs it
+    inside a cgroup memory limit of N MiB instead (page cache included, as on a machine of that size;
+    needs root; an error, exit 2, where one cannot be made)."""
     try:
         exe = engine.find_binary("llama-server")
-    except engine.EngineError as e:
+        limit_mib, argv = memory_limit_arg(argv)
+    except (engine.EngineError, ValueError) as e:
         print(f"pybmoe serve: error: {e}", file=sys.stderr)
         return 2
     if not ({"-h", "--help", "--usage"} & set(argv)):
@@ -68,6 +118,8 @@ def serve_main(argv: list[str]) -> int:
         if why:
             print(f"pybmoe serve: error: {why}", file=sys.stderr)
             return 2
+    if limit_mib is not None:
+        return _serve_limited(str(exe), argv, limit_mib)
     os.execv(str(exe), [str(exe), *argv])
     return 0  # pragma: no cover
 
