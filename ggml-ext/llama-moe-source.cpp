@@ -360,22 +360,39 @@ void llama_moe_reader::lane_main(int32_t il) {
     }
 }
 
-bool llama_moe_reader::read(const std::vector<llama_moe_read> & jobs, std::string & err) {
-    if (jobs.empty()) {
-        return true;
-    }
+void llama_moe_reader::submit(const std::vector<llama_moe_read> & jobs) {
+    std::string ignored;
+    wait(ignored); // one batch at a time (an earlier error was reported by its own wait)
     std::unique_lock<std::mutex> lock(mutex);
-    batch     = &jobs;
+    owned     = jobs;
+    batch     = &owned;
     next_job  = 0;
     batch_err.clear();
     batch_id++;
     n_working = 0;
     cv_work.notify_all();
-    cv_done.wait(lock, [&] { return next_job >= jobs.size() && n_working == 0; });
+}
+
+bool llama_moe_reader::wait(std::string & err) {
+    std::unique_lock<std::mutex> lock(mutex);
+    if (batch == nullptr) {
+        return true;
+    }
+    const size_t n = batch->size();
+    cv_done.wait(lock, [&] { return next_job >= n && n_working == 0; });
     batch = nullptr;
     if (!batch_err.empty()) {
         err = batch_err;
+        batch_err.clear();
         return false;
     }
     return true;
+}
+
+bool llama_moe_reader::read(const std::vector<llama_moe_read> & jobs, std::string & err) {
+    if (jobs.empty()) {
+        return true;
+    }
+    submit(jobs);
+    return wait(err);
 }

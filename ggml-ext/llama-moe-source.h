@@ -139,6 +139,11 @@ struct llama_moe_reader {
     // on a failed or short read (a file truncated or changed on disk)
     bool read(const std::vector<llama_moe_read> & jobs, std::string & err);
 
+    // starts reading every range (a copy of `jobs`) on the lanes and returns at once; wait() blocks until
+    // they are done, with read()'s result. One batch at a time: read() and submit() wait for the last.
+    void submit(const std::vector<llama_moe_read> & jobs);
+    bool wait(std::string & err);
+
     bool direct = false;          // O_DIRECT in use
     std::string fallback_reason;  // why not, when it was asked for
     int32_t n_lanes = 0;
@@ -161,6 +166,7 @@ private:
     std::condition_variable  cv_work;
     std::condition_variable  cv_done;
     const std::vector<llama_moe_read> * batch = nullptr;
+    std::vector<llama_moe_read> owned; // the submitted batch's jobs
     size_t   next_job  = 0;
     int32_t  n_working = 0;
     uint64_t batch_id  = 0;

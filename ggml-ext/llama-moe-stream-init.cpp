@@ -15,6 +15,7 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -167,11 +168,19 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     // an entry commits up to one partial page at each end of each projection beyond its bytes
     const int64_t entry_cost = (int64_t) entry + 2 * page * n_proj_max;
 
+    // the prefetch window (llama-moe-stream.h): with PYBMOE_MOE_STREAM_PREFETCH=1, one whole layer when the
+    // ubatch allows steps that want half of a layer or more (a prefill). Off by default: on a 4 GiB model under
+    // a 1300 MiB limit it gave +12 % prefill and cost auto a layer's worth of budget, -5 to -9 % decode
+    // (docs/stream-tier.md, "Prefetch")
+    const char * pf_env = getenv("PYBMOE_MOE_STREAM_PREFETCH");
+    const int64_t prefetch = pf_env && atoi(pf_env) == 1 && 2 * min_entries >= n_expert ? n_expert : 0;
+
     const llama_moe_mem_avail m = llama_moe_read_mem_avail();
     st.avail_bytes  = (int64_t) m.avail();
     st.limit_bytes  = (int64_t) m.limit();
     st.dense_bytes  = dense;
     st.entry_cost   = entry_cost;
+    st.prefetch_entries = prefetch;
     st.is_auto      = is_auto;
 
     int64_t budget = 0;
@@ -184,7 +193,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         const bool floor_auto = floor_mib == LLAMA_MOE_STREAM_FLOOR_AUTO;
         int64_t floor = floor_auto ? std::clamp<int64_t>(limit / 16, (int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20,
                 (int64_t) LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT << 20) : (int64_t) floor_mib << 20;
-        const int64_t room = (int64_t) m.avail() - dense;
+        const int64_t room = (int64_t) m.avail() - dense - prefetch * entry_cost;
         const int64_t want = room - floor;
         int64_t room_entries = want > 0 ? want / entry_cost : 0; // what the memory holds, before the caps
         // the caps: the ceiling (a budget, as a fixed one) and every streamed expert
@@ -207,19 +216,22 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         }
         budget = entries * (int64_t) entry;
         LLAMA_LOG("%s: moe-stream: auto: %s -> %.0f MiB available - %.0f MiB dense weights in host memory - %.0f MiB "
-                "floor%s%s -> %lld experts of %.3f MiB (+%.0f KiB page rounding each) = budget %.0f MiB (experts %.0f MiB, "
+                "prefetch window (%lld experts) - %.0f MiB floor%s%s -> %lld experts of %.3f MiB (+%.0f KiB page rounding each) = budget %.0f MiB (experts %.0f MiB, "
                 "minimum %.0f MiB); each context's host memory (KV cache, compute, output) is set aside when it is "
-                "created%s\n", __func__, m.describe().c_str(), m.avail() / mib, dense / mib, floor / mib,
+                "created%s\n", __func__, m.describe().c_str(), m.avail() / mib, dense / mib,
+                (double) (prefetch * entry_cost) / mib, (long long) prefetch, floor / mib,
                 floor_auto ? format(" (auto: 1/16 of the %.0f MiB %s, %d .. %d MiB)", limit / mib,
                         m.cgroup_limit ? "limit" : "of RAM", LLAMA_MOE_STREAM_FLOOR_MIN_MIB,
                         LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT).c_str() : "",
                 ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", (long long) entries, entry / mib,
                 (entry_cost - (int64_t) entry) / 1024.0, budget / mib, total / mib, min_bytes / mib, note.c_str());
         if (entries < min_entries) {
-            LLAMA_LOG_ERROR("%s: moe-stream: auto: %.0f MiB available - %.0f MiB dense weights leaves %.0f MiB, under the "
+            LLAMA_LOG_ERROR("%s: moe-stream: auto: %.0f MiB available - %.0f MiB dense weights - %.0f MiB prefetch window "
+                    "leaves %.0f MiB, under the "
                     "mechanical minimum of %.1f MiB (%lld experts of %.2f MiB: the most one layer step needs at ubatch %d) "
                     "plus %d MiB; give the process more memory or a smaller -ub\n", __func__,
-                    m.avail() / mib, dense / mib, std::max<int64_t>(room, 0) / mib, min_bytes / mib,
+                    m.avail() / mib, dense / mib, (double) (prefetch * entry_cost) / mib, std::max<int64_t>(room, 0) / mib,
+                    min_bytes / mib,
                     (long long) min_entries, entry / mib, n_ubatch, LLAMA_MOE_STREAM_FLOOR_MIN_MIB);
             return LLAMA_MOE_STREAM_ERR_BUDGET;
         }
@@ -311,9 +323,9 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             budget / mib, (long long) st.lru.capacity, entry / mib, st.reader.n_lanes, st.reader.direct ? "O_DIRECT" : "buffered");
     // the preamble: one line, key=value (pybmoe.engine parses it)
     LLAMA_LOG("moe-stream-preamble: layers=%zu n_expert=%d top_k=%d budget_mb=%.2f cache_cycle_mb=%.2f layer_demand_mb=%.2f "
-            "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f\n", st.layers.size(), n_expert, n_used, budget / mib,
-            cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib, st.reader.direct ? 1 : 0,
-            st.reader.n_lanes, entry / mib);
+            "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f prefetch_experts=%lld\n", st.layers.size(), n_expert, n_used,
+            budget / mib, cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib, st.reader.direct ? 1 : 0,
+            st.reader.n_lanes, entry / mib, (long long) prefetch);
     st.check_fit(); // a fixed budget that does not fit even before the contexts: one WARN now
     if ((double) budget < cycle) {
         // the cliff guard (the BigMoeOnEdge seed): state the fact, once, at load

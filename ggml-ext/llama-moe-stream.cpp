@@ -32,6 +32,9 @@ static long llama_moe_major_faults() {
 }
 
 void llama_moe_stream::unmap() {
+    std::string err;
+    reader.wait(err); // no lane may still read into a reservation (a prefetch)
+    prefetch_li = -1;
 #if !defined(_WIN32)
     for (auto & l : layers) {
         for (int p = 0; p < l.n_proj; ++p) {
@@ -176,6 +179,10 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
         }
     }
 
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string err;
+    settle_prefetch(li); // its reads are done; a prefetch for another layer gives its pages back
+
     std::vector<int8_t>  hit;
     std::vector<int32_t> admitted, evicted;
     {
@@ -191,16 +198,79 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     }
     release(evicted); // before the admitted entries' bytes arrive: a shared page is never dropped after
 
-    // one read per run of consecutive expert ids (they are adjacent in the file and in the
-    // reservation; a prefill step wants most of a layer), cut into reads of at most ~8 MiB so that
-    // the lanes share the work
-    std::vector<int32_t> experts(admitted.size());
-    for (size_t i = 0; i < admitted.size(); ++i) {
-        experts[i] = admitted[i] % lru.n_expert;
+    // the admitted experts whose bytes a prefetch brought are there already; the prefetched ones the step
+    // did not admit give their pages back
+    std::vector<int32_t> experts;
+    std::vector<uint8_t> is_admitted(lru.n_expert, 0);
+    size_t nbytes = 0;
+    for (int32_t a : admitted) {
+        const int32_t e = a % lru.n_expert;
+        is_admitted[e] = 1;
+        if (prefetch_li == li && prefetched[e]) {
+            prefetch_used += l.entry_bytes();
+            nbytes        += l.entry_bytes(); // a miss's bytes, read ahead of the step
+            continue;
+        }
+        experts.push_back(e);
+    }
+    if (prefetch_li == li) {
+        std::vector<int32_t> unused;
+        for (int32_t e = 0; e < lru.n_expert; ++e) {
+            if (prefetched[e] && !is_admitted[e]) {
+                unused.push_back(li * lru.n_expert + e);
+            }
+        }
+        release(unused);
+        prefetch_li = -1;
     }
     std::sort(experts.begin(), experts.end());
+    const std::vector<llama_moe_read> jobs = read_jobs(l, experts, nbytes);
+    if (!reader.read(jobs, err)) {
+        // note: the expert's bytes are not there, so the layer's output would be wrong: stop here
+        GGML_ABORT("%s", err.c_str());
+    }
+
+    // a prefill step: read the next layer's non-resident experts while this one computes
+    std::vector<uint8_t> wanted(lru.n_expert, 0);
+    for (int32_t e : want) {
+        wanted[e] = 1;
+    }
+    const int64_t n_distinct = std::count(wanted.begin(), wanted.end(), 1);
+    if (prefetch_entries > 0 && li + 1 < (int32_t) layers.size() && 2 * n_distinct >= lru.n_expert) {
+        const int32_t nl = li + 1;
+        prefetched.assign(lru.n_expert, 0);
+        std::vector<int32_t> next;
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            for (int32_t e = 0; e < lru.n_expert && (int64_t) next.size() < prefetch_entries; ++e) {
+                if (!lru.resident[(size_t) nl * lru.n_expert + e]) {
+                    next.push_back(e);
+                    prefetched[e] = 1;
+                }
+            }
+        }
+        if (!next.empty()) {
+            size_t pb = 0;
+            reader.submit(read_jobs(layers[nl], next, pb));
+            prefetch_li = nl;
+            prefetch_bytes += pb;
+        }
+    }
+    const auto us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+
+    std::lock_guard<std::mutex> lock(mutex);
+    read_bytes += nbytes;
+    io_wait_us += (uint64_t) us;
+    if (li == 0) {
+        n_tokens += (uint64_t) n_rows;
+    }
+}
+
+std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
+                                                         size_t & nbytes) const {
+    // one read per run of consecutive expert ids (they are adjacent in the file and in the reservation; a
+    // prefill step wants most of a layer), cut into reads of at most ~8 MiB so that the lanes share the work
     std::vector<llama_moe_read> jobs;
-    size_t nbytes = 0;
     for (int p = 0; p < l.n_proj; ++p) {
         const size_t n = l.expert_nbytes[p];
         const size_t per_job = std::max<size_t>(1, (8u << 20) / n);
@@ -215,19 +285,26 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
             i = j;
         }
     }
-    const auto t0 = std::chrono::steady_clock::now();
+    return jobs;
+}
+
+void llama_moe_stream::settle_prefetch(int32_t li) {
+    if (prefetch_li < 0) {
+        return;
+    }
     std::string err;
-    if (!reader.read(jobs, err)) {
-        // note: the expert's bytes are not there, so the layer's output would be wrong: stop here
+    if (!reader.wait(err)) {
         GGML_ABORT("%s", err.c_str());
     }
-    const auto us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
-
-    std::lock_guard<std::mutex> lock(mutex);
-    read_bytes += nbytes;
-    io_wait_us += (uint64_t) us;
-    if (li == 0) {
-        n_tokens += (uint64_t) n_rows;
+    if (prefetch_li != li) {
+        std::vector<int32_t> unused;
+        for (int32_t e = 0; e < lru.n_expert; ++e) {
+            if (prefetched[e]) {
+                unused.push_back(prefetch_li * lru.n_expert + e);
+            }
+        }
+        release(unused);
+        prefetch_li = -1;
     }
 }
 
@@ -253,10 +330,10 @@ void llama_moe_stream::print_summary() const {
     get_stats(st);
     const uint64_t n = st.hits + st.misses;
     LLAMA_LOG("moe-stream: %.1f%% hit, resident %.1f MiB, misses %llu (read %.1f MiB, %.2f MiB/token), io wait %.3f s, "
-            "major faults %llu\n", n ? 100.0*st.hits/n : 0.0, st.resident_bytes/1024.0/1024.0,
-            (unsigned long long) st.misses, st.read_bytes/1024.0/1024.0,
+            "major faults %llu, prefetched %.1f MiB (%.1f MiB of it used)\n", n ? 100.0*st.hits/n : 0.0,
+            st.resident_bytes/1024.0/1024.0, (unsigned long long) st.misses, st.read_bytes/1024.0/1024.0,
             st.n_tokens ? st.read_bytes/1024.0/1024.0/st.n_tokens : 0.0, st.io_wait_us/1e6,
-            (unsigned long long) st.major_faults);
+            (unsigned long long) st.major_faults, prefetch_bytes/1024.0/1024.0, prefetch_used/1024.0/1024.0);
 }
 
 //
@@ -313,6 +390,7 @@ int32_t llama_model_moe_stream_set_budget_mib(llama_model * model, int32_t budge
 //
 
 int64_t llama_moe_stream::resize(int64_t want) {
+    settle_prefetch(-1);
     want = std::min<int64_t>(want, total_bytes);
     std::vector<int32_t> evicted;
     {

@@ -103,7 +103,7 @@ struct llama_moe_stream {
 
     // what the budget and everything beside it need, bytes (the fixed budget's check)
     int64_t need_bytes() const {
-        return (budget_bytes / (int64_t) entry_bytes) * entry_cost + dense_bytes + contexts_bytes();
+        return (budget_bytes / (int64_t) entry_bytes + prefetch_entries) * entry_cost + dense_bytes + contexts_bytes();
     }
 
     // a context was created (its host memory: KV cache, compute and output buffers) or freed. auto sets
@@ -131,6 +131,22 @@ struct llama_moe_stream {
     long     majflt_at_start = 0;
 
     std::string error; // the first read error (the op aborts with it)
+
+    // Prefetch (timing, not policy): after a step that wanted at least half of its layer's experts (a
+    // prefill), the lanes read the next streamed layer's non-resident experts into their own places in
+    // the reservation while this layer computes, at most prefetch_entries of them. The next step admits
+    // exactly what the LRU admits, as without prefetch; an admitted expert whose bytes arrived is not
+    // read again, and a prefetched one the step did not admit has its pages given back. So the hits,
+    // the misses and the output are those of a run without it; only io wait and memory differ (the
+    // prefetched bytes, at most prefetch_entries entries, are counted by auto). 0 turns it off.
+    int64_t              prefetch_entries = 0;
+    int32_t              prefetch_li      = -1; // the layer whose reads are in flight, -1: none
+    std::vector<uint8_t> prefetched;            // [n_expert] of prefetch_li
+    uint64_t             prefetch_bytes   = 0;  // counters: bytes prefetched, and of them those a step used
+    uint64_t             prefetch_used    = 0;
+
+    // waits for the prefetch in flight; unless it is for layer `li`, gives its pages back
+    void settle_prefetch(int32_t li);
 
     // The VRAM tier's uploads of entries resident here read this tier's RAM copy instead of the
     // file. An entry is pinned from the upload's schedule (no graph in flight) until the uploader
@@ -160,6 +176,11 @@ struct llama_moe_stream {
 
     // drops entries' bytes (whole pages inside the expert's range go back to the kernel)
     void release(const std::vector<int32_t> & entries);
+
+    // the reads of layer li's experts `experts` (sorted) into their places, one per run of consecutive
+    // ids cut at ~8 MiB; adds their bytes to nbytes
+    std::vector<llama_moe_read> read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
+                                          size_t & nbytes) const;
 
     uint32_t n_graph_nodes() const {
         return (uint32_t) layers.size();

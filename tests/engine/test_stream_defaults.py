@@ -145,7 +145,7 @@ def test_a_limit_under_the_minimum_is_refused_in_one_line_with_the_arithmetic(mo
         run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "tiny")
     err = [ln for ln in str(e.value).splitlines() if "under the mechanical minimum" in ln]
     assert len(err) == 1, str(e.value)[-2000:]
-    assert "MiB dense weights leaves" in err[0] and "3 experts of 0.50 MiB" in err[0]
+    assert "MiB dense weights - 0 MiB prefetch window leaves" in err[0] and "3 experts of 0.50 MiB" in err[0]
     assert "cannot hold one layer step" in str(e.value)
 
 
@@ -178,6 +178,24 @@ def test_dense_auto_picks_anon_only_when_the_gguf_does_not_fit_and_stays_exact(m
         assert p.tokens == base.tokens and p.logits == base.logits, policy
     off = run(model, tmp_path, None, [], "dense-off")  # no tier: auto does nothing and says nothing
     assert "dense weights" not in off.log
+
+
+def test_prefetch_changes_no_hit_and_no_logit(tmp_path):
+    """With PYBMOE_MOE_STREAM_PREFETCH=1 at ubatch 16 (a step can want half the layer) the next layer's
+    experts are read while a prefill step computes; the hits per layer, the tokens and the logits are
+    those of the same run without it (the default)."""
+    # three layers: the last one computes only the output rows, so the prefetch into layer 1 is the one used
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **{**SHAPE, "n_layer": 3}))
+    env_on = {**os.environ, "PYBMOE_MOE_STREAM_PREFETCH": "1"}
+    env_off = {k: v for k, v in os.environ.items() if k != "PYBMOE_MOE_STREAM_PREFETCH"}
+    args = ["-ngl", "0", "--no-repack", "-ub", "16", "-b", "256", "--moe-stream-cache-mb", "10"]
+    prompt = " ".join(f"word{i}" for i in range(60))  # several ubatches of 16 tokens
+    on = engine.run_logits(model, tmp_path / "pf-on.bin", args, prompt=prompt, n_predict=4, ctx=256, env=env_on)
+    off = engine.run_logits(model, tmp_path / "pf-off.bin", args, prompt=prompt, n_predict=4, ctx=256, env=env_off)
+    assert "prefetch_experts=16" in on.log and "prefetch_experts=0" in off.log
+    used = re.search(r"prefetched ([\d.]+) MiB \(([\d.]+) MiB of it used\)", on.log)
+    assert used and float(used.group(2)) > 0, on.log[-2000:]
+    assert on.stream_layers == off.stream_layers and on.tokens == off.tokens and on.logits == off.logits
 
 
 LOAD_SCRIPT = r"""
