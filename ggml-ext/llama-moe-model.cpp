@@ -11,6 +11,7 @@
 #include "llama-batch.h"
 #include "llama-model-loader.h"
 
+#include <cstdlib>
 #include <cstring>
 
 //
@@ -72,7 +73,8 @@ void llama_moe_stream_hint_lazy_load(const char * path) {
 std::vector<std::pair<size_t, size_t>> llama_moe_cache_lazy_ranges(const llama_model_loader & ml, uint32_t idx,
                                                                    const std::vector<std::pair<size_t, size_t>> & lazy) {
     std::vector<std::pair<size_t, size_t>> out = lazy;
-    if (llama_moe_lazy_hint.empty()) {
+    const char * env = getenv("PYBMOE_MOE_STREAM_LAZY_LOAD"); // 0: populate as before (the load benchmark's "before")
+    if (llama_moe_lazy_hint.empty() || (env && atoi(env) == 0)) {
         return out;
     }
     size_t n = 0;

@@ -242,6 +242,27 @@ bool llama_moe_reader::open(const std::vector<std::string> & paths_in, int32_t n
 #endif
 }
 
+bool llama_moe_reader::read_window(uint16_t file, uint8_t * dst, size_t want, size_t w0, size_t & got, std::string & err) {
+#if defined(_WIN32)
+    GGML_UNUSED(file); GGML_UNUSED(dst); GGML_UNUSED(want); GGML_UNUSED(w0); GGML_UNUSED(got); GGML_UNUSED(err);
+    return false;
+#else
+    got = 0;
+    while (got < want) {
+        const ssize_t n = pread(fd_direct[file], dst + got, want - got, (off_t) (w0 + got));
+        if (n < 0) {
+            err = format("moe-stream: read failed at offset %zu of %s (%s)", w0 + got, paths[file].c_str(), strerror(errno));
+            return false;
+        }
+        if (n == 0) {
+            break; // end of file: the window may run past it, the range may not
+        }
+        got += (size_t) n;
+    }
+    return true;
+#endif
+}
+
 bool llama_moe_reader::read_one(lane & ln, const llama_moe_read & job, std::string & err) {
 #if defined(_WIN32)
     GGML_UNUSED(ln); GGML_UNUSED(job); GGML_UNUSED(err);
@@ -266,18 +287,9 @@ bool llama_moe_reader::read_one(lane & ln, const llama_moe_read & job, std::stri
         // the neighbours' own bytes from the same file (or the reservation's slack)
         const size_t w0 = job.offs & ~(align - 1);
         const size_t w1 = (job.offs + job.nbytes + align - 1) & ~(align - 1);
-        uint8_t * d = (uint8_t *) job.dst - (job.offs - w0);
         size_t got = 0;
-        while (got < w1 - w0) {
-            const ssize_t n = pread(fd_direct[job.file], d + got, w1 - w0 - got, (off_t) (w0 + got));
-            if (n < 0) {
-                err = format("moe-stream: read failed at offset %zu of %s (%s)", w0 + got, paths[job.file].c_str(), strerror(errno));
-                return false;
-            }
-            if (n == 0) {
-                break; // end of file: the window may run past it, the range may not
-            }
-            got += (size_t) n;
+        if (!read_window(job.file, (uint8_t *) job.dst - (job.offs - w0), w1 - w0, w0, got, err)) {
+            return false;
         }
         if (got < (job.offs - w0) + job.nbytes) {
             err = format("moe-stream: short read: %zu of %zu bytes at offset %zu of %s (end of file: truncated or "
@@ -309,16 +321,8 @@ bool llama_moe_reader::read_one(lane & ln, const llama_moe_read & job, std::stri
             ln.bounce_sz = want;
         }
         size_t got = 0;
-        while (got < want) {
-            const ssize_t n = pread(fd_direct[job.file], ln.bounce + got, want - got, (off_t) (w0 + got));
-            if (n < 0) {
-                err = format("moe-stream: read failed at offset %zu of %s (%s)", w0 + got, paths[job.file].c_str(), strerror(errno));
-                return false;
-            }
-            if (n == 0) {
-                break; // end of file: the window may run past it, the range may not
-            }
-            got += (size_t) n;
+        if (!read_window(job.file, ln.bounce, want, w0, got, err)) {
+            return false;
         }
         const size_t take = std::min(end, w1) - pos;
         if (got < (pos - w0) + take) {

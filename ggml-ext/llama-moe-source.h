@@ -154,6 +154,9 @@ private:
     struct lane;
     void lane_main(int32_t il);
     bool read_one(lane & ln, const llama_moe_read & job, std::string & err);
+    // reads [w0, w0 + want) of `file` with O_DIRECT into dst (aligned), stopping at the end of the file;
+    // got = the bytes read. false (err set) on a failed read
+    bool read_window(uint16_t file, uint8_t * dst, size_t want, size_t w0, size_t & got, std::string & err);
 
     std::vector<std::string> paths;
     std::vector<int> fd_direct;   // -1 when not direct

@@ -179,9 +179,12 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
         }
     }
 
-    const auto t0 = std::chrono::steady_clock::now();
+    // io wait: the time this step waits for reads (a prefetch's, then its own)
+    using clock = std::chrono::steady_clock;
+    auto t0 = clock::now();
     std::string err;
     settle_prefetch(li); // its reads are done; a prefetch for another layer gives its pages back
+    int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count();
 
     std::vector<int8_t>  hit;
     std::vector<int32_t> admitted, evicted;
@@ -225,10 +228,12 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     }
     std::sort(experts.begin(), experts.end());
     const std::vector<llama_moe_read> jobs = read_jobs(l, experts, nbytes);
+    t0 = clock::now();
     if (!reader.read(jobs, err)) {
         // note: the expert's bytes are not there, so the layer's output would be wrong: stop here
         GGML_ABORT("%s", err.c_str());
     }
+    us += std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count();
 
     // a prefill step: read the next layer's non-resident experts while this one computes
     std::vector<uint8_t> wanted(lru.n_expert, 0);
@@ -256,8 +261,6 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
             prefetch_bytes += pb;
         }
     }
-    const auto us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
-
     std::lock_guard<std::mutex> lock(mutex);
     read_bytes += nbytes;
     io_wait_us += (uint64_t) us;

@@ -93,3 +93,42 @@ def test_serve_fails_with_one_line_when_no_rpc_server_comes(tmp_path):
         f"(ggml-rpc-server -p {port} &) or fix --rpc")
     assert len(r.stderr.strip().splitlines()) == 2  # the waiting line and the error: no backtrace
     assert serve.wait_for_rpc(["nohostport"], 1) == "rpc server 'nohostport' must be host:port"
+
+
+def test_serve_memory_limit_is_parsed_and_bad_values_are_refused(capsys):
+    assert serve.memory_limit_arg(["-m", "x", "--memory-limit-mb", "1300", "--port", "1"]) == (1300, ["-m", "x", "--port", "1"])
+    assert serve.memory_limit_arg(["--memory-limit-mb=64"]) == (64, [])
+    assert serve.memory_limit_arg(["-m", "x"]) == (None, ["-m", "x"])
+    for bad in (["--memory-limit-mb", "lots"], ["--memory-limit-mb", "8"], ["--memory-limit-mb"]):
+        assert serve.serve_main(bad) == 2
+        assert "--memory-limit-mb" in capsys.readouterr().err
+
+
+def test_serve_runs_llama_server_inside_the_memory_limit():
+    """`pybmoe serve --memory-limit-mb N` runs the server in a cgroup of N MiB (page cache included), forwards
+    SIGTERM to it, and removes the cgroup when it exits."""
+    import signal
+    from pybmoe import models
+    from pybmoe.engine import memlimit
+    ok, why = memlimit.limit_available()
+    if not ok:
+        pytest.skip(why)
+    port = engine.free_port()
+    p = subprocess.Popen([sys.executable, "-m", "pybmoe.cli", "serve", "--memory-limit-mb", "1500", "-m",
+                          str(models.default_model_path()), "--port", str(port), "-ngl", "0"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert engine.wait_for_endpoint(f"127.0.0.1:{port}", 60)
+        pids = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout.split()
+        server = [q for q in pids if "llama-server" in Path(f"/proc/{q}/cmdline").read_bytes().decode(errors="replace")]
+        assert server, pids
+        groups = Path(f"/proc/{server[0]}/cgroup").read_text()
+        name = next(ln.split(":")[-1].strip() for ln in groups.splitlines() if "pybmoe-" in ln)
+        folder = (memlimit.V1_ROOT if memlimit.V1_ROOT.is_dir() else memlimit.V2_ROOT) / name.lstrip("/")
+        limit = folder / ("memory.limit_in_bytes" if memlimit.V1_ROOT.is_dir() else "memory.max")
+        assert int(limit.read_text()) == 1500 * 2**20
+    finally:
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=30)
+    assert rc in (0, 128 + signal.SIGTERM, -signal.SIGTERM) and "under a 1500 MiB memory limit" in p.stderr.read()
+    assert not folder.exists()

@@ -6,7 +6,7 @@
 //
 //   pybmoe-make-synth OUT --vocab VOCAB.gguf [--n-layer 48] [--n-expert 128] [--top-k 8]
 //       [--n-embd 2048] [--n-ff-exp 768] [--n-head 32] [--n-head-kv 4] [--head-dim 128]
-//       [--type q8_0|q4_0|f16] [--seed 0] [--threads N] [--n-ctx-train 4096] [--dry-run]
+//       [--type q8_0|q4_0|q4_k|f16] [--seed 0] [--threads N] [--n-ctx-train 4096] [--dry-run]
 //
 // Tensors (ggml order, ne0 first), as pybmoe.models writes them:
 //   token_embd.weight {n_embd, n_vocab} (the output head is tied to it), output_norm.weight;
@@ -64,7 +64,7 @@ void usage() {
     fprintf(stderr,
             "usage: pybmoe-make-synth OUT --vocab VOCAB.gguf [--n-layer N] [--n-expert N] [--top-k N]\n"
             "       [--n-embd N] [--n-ff-exp N] [--n-head N] [--n-head-kv N] [--head-dim N]\n"
-            "       [--type q8_0|q4_0|f16] [--seed S] [--threads N] [--n-ctx-train N] [--dry-run] [--no-mmap]\n");
+            "       [--type q8_0|q4_0|q4_k|f16] [--seed S] [--threads N] [--n-ctx-train N] [--dry-run] [--no-mmap]\n");
 }
 
 bool parse(int argc, char ** argv, Args & a) {
@@ -114,8 +114,8 @@ bool parse(int argc, char ** argv, Args & a) {
         usage();
         return false;
     }
-    if (a.type != "q8_0" && a.type != "q4_0" && a.type != "f16") {
-        fprintf(stderr, "pybmoe-make-synth: --type %s is not supported; accepted: q8_0, q4_0, f16\n", a.type.c_str());
+    if (a.type != "q8_0" && a.type != "q4_0" && a.type != "q4_k" && a.type != "f16") {
+        fprintf(stderr, "pybmoe-make-synth: --type %s is not supported; accepted: q8_0, q4_0, q4_k, f16\n", a.type.c_str());
         return false;
     }
     if (a.top_k > a.n_expert || a.n_expert > 1024 || a.n_layer > 512) {
@@ -231,6 +231,17 @@ void fill_rows(const Plan & t, uint64_t seed, int64_t n_rows, uint8_t * buf) {
                 for (int j = 0; j < 32; ++j) q[j] = q[j] == 0x80 ? 0x81 : q[j];
             }
         } break;
+        case GGML_TYPE_Q4_K: {  // block: f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles; every
+            // sub-block scale 1, dmin 0: x = d * nibble, std 4.61 (a nonzero mean: random weights either way)
+            const ggml_fp16_t d = ggml_fp32_to_fp16((float) (std_w / 4.61));
+            const ggml_fp16_t z = ggml_fp32_to_fp16(0.0f);
+            const size_t bs = ggml_type_size(GGML_TYPE_Q4_K);
+            for (size_t o = 0; o < n; o += bs) {
+                memcpy(buf + o, &d, 2);
+                memcpy(buf + o + 2, &z, 2);
+                memset(buf + o + 4, 0x01, 12);
+            }
+        } break;
         case GGML_TYPE_Q4_0: {  // block: f16 d, 16 bytes of nibbles; x = d * (nibble - 8): std 4.61
             const ggml_fp16_t d = ggml_fp32_to_fp16((float) (std_w / 4.61));
             const size_t bs = ggml_type_size(GGML_TYPE_Q4_0);
@@ -261,7 +272,8 @@ bool pwrite_all(int fd, const uint8_t * p, size_t n, off_t off) {
 int main(int argc, char ** argv) {
     Args a;
     if (!parse(argc, argv, a)) return 2;
-    const ggml_type q = a.type == "q8_0" ? GGML_TYPE_Q8_0 : a.type == "q4_0" ? GGML_TYPE_Q4_0 : GGML_TYPE_F16;
+    const ggml_type q = a.type == "q8_0" ? GGML_TYPE_Q8_0 : a.type == "q4_0" ? GGML_TYPE_Q4_0 :
+                        a.type == "q4_k" ? GGML_TYPE_Q4_K : GGML_TYPE_F16;
     for (int v : {a.n_embd, a.n_ff_exp}) {
         if (v % ggml_blck_size(q)) {
             fprintf(stderr, "pybmoe-make-synth: n-embd and n-ff-exp must be multiples of %lld for %s (got %d)\n",
@@ -291,8 +303,8 @@ int main(int argc, char ** argv) {
              a.top_k, a.n_embd, a.n_ff_exp, a.type.c_str(), (unsigned long long) a.seed);
     gguf_set_val_str(g, "general.architecture", arch.c_str());
     gguf_set_val_str(g, "general.name", name);
-    // llama_ftype: MOSTLY_F16 = 1, MOSTLY_Q4_0 = 2, MOSTLY_Q8_0 = 7
-    gguf_set_val_u32(g, "general.file_type", q == GGML_TYPE_F16 ? 1 : q == GGML_TYPE_Q4_0 ? 2 : 7);
+    // llama_ftype: MOSTLY_F16 = 1, MOSTLY_Q4_0 = 2, MOSTLY_Q8_0 = 7, MOSTLY_Q4_K_S = 14
+    gguf_set_val_u32(g, "general.file_type", q == GGML_TYPE_F16 ? 1 : q == GGML_TYPE_Q4_0 ? 2 : q == GGML_TYPE_Q4_K ? 14 : 7);
     gguf_set_val_u32(g, "general.quantization_version", GGML_QNT_VERSION);
     auto u32 = [&](const char * k, int v) { gguf_set_val_u32(g, (arch + "." + k).c_str(), (uint32_t) v); };
     u32("context_length", a.n_ctx_train);

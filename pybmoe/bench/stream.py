@@ -91,9 +91,10 @@ DENSE = ("mmap", "warm", "anon", "auto")
 
 
 def points(budgets: Sequence[str], include_resident: bool = True, dense: Sequence[str] = (),
-           defaults: bool = True) -> list[StreamPoint]:
-    """mmap, the ``defaults`` point (unless ``defaults`` is False), one stream point per budget, one
-    more per budget and dense policy, and (optionally) the resident ceiling.
+           defaults: bool = True, dense_only: bool = False) -> list[StreamPoint]:
+    """mmap, the ``defaults`` point (unless ``defaults`` is False), one stream point per budget (at the
+    engine's dense policy; left out with ``dense_only`` when ``dense`` is given), one more per budget
+    and dense policy, and (optionally) the resident ceiling.
 
     Raises :class:`ValueError` for a budget that is neither ``auto`` nor a positive integer, or an
     unknown dense policy."""
@@ -106,7 +107,8 @@ def points(budgets: Sequence[str], include_resident: bool = True, dense: Sequenc
         if b != "auto" and not (b.isdigit() and int(b) > 0):
             raise ValueError(f"budget {b!r}; accepted: a positive number of MiB or 'auto'")
         bs.append(b)
-        out.append(StreamPoint("stream", b))
+        if not (dense_only and dense):
+            out.append(StreamPoint("stream", b))
     for d in dense:
         if d not in DENSE:
             raise ValueError(f"dense policy {d!r}; accepted: {', '.join(DENSE)}")
@@ -263,14 +265,16 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
                  budgets: Sequence[str] = ("auto",), n_prompt: int = 64, n_gen: int = 32, repeats: int = 3,
                  threads: int = 2, ubatch: int = 512, io_threads: int | None = None, floor_mib: int | None = None,
                  route_replay: str | os.PathLike | None = None, include_resident: bool = True, cold: bool = True,
-                 dense: Sequence[str] = (), defaults: bool = True,
-                 progress: Callable[[int], None] | None = None) -> StreamBenchResult:
+                 dense: Sequence[str] = (), defaults: bool = True, dense_only: bool = False,
+                 n_gen_mmap: int | None = None, progress: Callable[[int], None] | None = None) -> StreamBenchResult:
     """Run the benchmark (see the module doc) and write its CSVs and plots to ``out_dir``.
 
     ``limit_mib``: the memory limit (None: no limit); ``floor_mib``: ``--moe-stream-floor-mb``
     for the ``stream:auto`` points (None: the engine's auto floor); ``io_threads``: read lanes of
     the stream points (None: the engine's default, 4); ``defaults``: include the ``defaults``
-    point. ``progress`` is called with 1 after each run. Raises :class:`ValueError` for bad arguments and
+    point; ``n_gen_mmap``: the ``mmap`` point's generated tokens, when they should be fewer than the others'
+    (stock mmap thrashes at a rate that does not depend on the token; default ``n_gen``). ``progress`` is
+    called with 1 after each run. Raises :class:`ValueError` for bad arguments and
     :class:`pybmoe.engine.EngineError` when a run fails.
     """
     model = Path(model)
@@ -281,7 +285,7 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
                         ("floor_mib", 0 if floor_mib is None else floor_mib, 0)):
         if v < lo:
             raise ValueError(f"{name} {v}; accepted: >= {lo}")
-    pts = points(budgets, include_resident, dense, defaults)
+    pts = points(budgets, include_resident, dense, defaults, dense_only)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
@@ -307,7 +311,8 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
                 for mode in MODES:
                     row = run_point(model, pt, mode, limit=limit, cold=cold,
                                     log_path=out / "logs" / f"{pt.name.replace(':', '-')}-{mode}-{rep}.log",
-                                    n_prompt=n_prompt, n_gen=n_gen, threads=threads, ubatch=ubatch,
+                                    n_prompt=n_prompt, n_gen=n_gen_mmap if pt.kind == "mmap" and n_gen_mmap else n_gen,
+                                    threads=threads, ubatch=ubatch,
                                     io_threads=io_threads, floor_mib=floor_mib, route_replay=rp)
                     row.update(repeat=rep, limit_mib=limit_mib if pt.limited else None)
                     rows.append(row)

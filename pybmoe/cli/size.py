@@ -28,7 +28,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     st = ap.add_argument_group("the stream tier (--moe-stream-cache-mb): predicted decode tok/s, needs --trace")
     st.add_argument("--stream-mb", type=float, action="append", default=[],
                     help="a RAM budget (MiB) to predict; repeat for several")
-    st.add_argument("--disk-mib-s", type=float, default=None, help="measured read bandwidth of the model's disk, MiB/s")
+    st.add_argument("--disk-mib-s", type=float, default=None, help="measured read bandwidth of the model's disk, MiB/s "
+                                                                  "(at the tier's read size: --probe-disk measures it)")
+    st.add_argument("--probe-disk", action="store_true",
+                    help="measure the disk bandwidth here: O_DIRECT reads of the model's own expert projections on "
+                         "the tier's 4 lanes into fresh memory (pybmoe.bench.disk; a few seconds)")
+    st.add_argument("--n-gen", type=int, default=None,
+                    help="predict a short run from an empty cache, as llama-bench -n N (its warm-up token untimed); "
+                         "default: the whole trace")
+    st.add_argument("--step-overhead-ms", type=float, default=sizing.STREAM_STEP_OVERHEAD_MS,
+                    help="the tier's own time per layer step beside its reads (default %(default)s ms, measured: "
+                         "docs/benchmarks.md)")
     st.add_argument("--resident-tok-s", type=float, default=None,
                     help="measured decode tok/s with every expert in RAM (the compute part of a token)")
     st.add_argument("--ram-mib-s", type=float, default=None,
@@ -56,16 +66,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     for w in rec.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if a.stream_mb:
-        if t is None or a.disk_mib_s is None:
-            print("pybmoe size: error: --stream-mb needs --trace and --disk-mib-s (and --resident-tok-s or --ram-mib-s)",
-                  file=sys.stderr)
+        if t is None or (a.disk_mib_s is None and not a.probe_disk):
+            print("pybmoe size: error: --stream-mb needs --trace and --disk-mib-s or --probe-disk (and --resident-tok-s "
+                  "or --ram-mib-s)", file=sys.stderr)
             return 2
-        print("stream tier (global-lru over the trace's decode lookups; a token = compute + its misses read at "
-              f"{a.disk_mib_s:.0f} MiB/s):")
+        if a.probe_disk:
+            from ..bench import disk
+            pr = disk.probe(a.model)
+            a.disk_mib_s = pr.mib_s
+            print(f"disk probe: {pr.mib_s:.0f} MiB/s ({pr.reads} reads of {pr.read_bytes / sizing.MIB:.2f} MiB on "
+                  f"{pr.lanes} lanes, {'O_DIRECT' if pr.direct else 'buffered'}, {pr.seconds:.1f} s)")
+        print("stream tier (global-lru over the trace's decode lookups; a token = compute + "
+              f"{a.step_overhead_ms:g} ms per layer step + its misses read at {a.disk_mib_s:.0f} MiB/s):")
         for mb in a.stream_mb:
             try:
                 p = sizing.predict_stream(shape, t, mb, disk_mib_s=a.disk_mib_s, resident_tok_s=a.resident_tok_s,
-                                          ram_mib_s=a.ram_mib_s)
+                                          ram_mib_s=a.ram_mib_s, step_overhead_ms=a.step_overhead_ms,
+                                          tokens=None if a.n_gen is None else a.n_gen + 1,
+                                          skip=0 if a.n_gen is None else 1)
             except ValueError as e:
                 print(f"pybmoe size: error: {e}", file=sys.stderr)
                 return 2

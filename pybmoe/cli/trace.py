@@ -16,6 +16,7 @@ _USAGE = """pybmoe trace: routing trace formats.
     pybmoe trace IN -o OUT                         the same (shorthand)
     pybmoe trace stats IN [--phase decode]         locality statistics
     pybmoe trace synth --from IN --steps N --out OUT   a long synthetic trace with IN's reuse
+    pybmoe trace synth --uniform --steps N --n-layer L --n-expert E --top-k K --out OUT   no locality at all
 
 IN is an engine CSV (--moe-trace), Parquet, the granite routing JSON or a JSONL route log.
 Run a subcommand with --help for its options.
@@ -89,7 +90,11 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pybmoe trace synth",
                                  description="Generate a long decode routing trace that resamples a short real "
                                              "trace's per-layer LRU stack distances and expert popularity.")
-    ap.add_argument("--from", dest="source", type=Path, required=True, help="source trace (any format pybmoe reads)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from", dest="source", type=Path, help="source trace (any format pybmoe reads)")
+    src.add_argument("--uniform", action="store_true",
+                     help="no source: every token's top-k drawn uniformly at random (no locality, the worst case); "
+                          "needs --n-layer, --n-expert and --top-k")
     ap.add_argument("--steps", type=int, required=True, help="decode tokens per workload")
     ap.add_argument("--seed", type=int, default=0, help="RNG seed (default %(default)s)")
     ap.add_argument("--workloads", type=int, default=1, help="workloads, each from an empty stack (default 1)")
@@ -104,14 +109,24 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
                     help="scale of the stack distances when mapping (default E/E_src; 1 keeps them)")
     ap.add_argument("--out", type=Path, required=True, help="output .csv (the --moe-trace format) or .parquet")
     a = ap.parse_args(argv)
+    if a.uniform and None in (a.n_layer, a.n_expert, a.top_k):
+        print("pybmoe trace synth: error: --uniform needs --n-layer, --n-expert and --top-k", file=sys.stderr)
+        return 2
     try:
-        src = tr.read_trace(a.source)
-        out = synth.synthesize(src, a.steps, seed=a.seed, workloads=a.workloads, block=a.block, n_layer=a.n_layer,
-                         n_expert=a.n_expert, top_k=a.top_k, distance_scale=a.distance_scale)
+        if a.uniform:
+            out = synth.uniform(a.steps, n_layer=a.n_layer, n_expert=a.n_expert, top_k=a.top_k, seed=a.seed)
+        else:
+            out = synth.synthesize(tr.read_trace(a.source), a.steps, seed=a.seed, workloads=a.workloads,
+                                   block=a.block, n_layer=a.n_layer, n_expert=a.n_expert, top_k=a.top_k,
+                                   distance_scale=a.distance_scale)
         path = tr.write_trace(out, a.out)
     except (OSError, ValueError) as e:
         print(f"pybmoe trace synth: error: {e}", file=sys.stderr)
         return 2
+    if a.uniform:
+        print(f"{path}: {len(out.frame)} lookups, {a.steps} decode tokens, uniform top-{a.top_k} of {a.n_expert} "
+              f"experts, {a.n_layer} layers (seed {a.seed})")
+        return 0
     print(f"{path}: {len(out.frame)} lookups, {a.workloads} x {a.steps} decode tokens, {len(out.layers)} layers, "
           f"{out.meta.n_expert} experts, top-{out.meta.n_expert_used} (from {a.source}, seed {a.seed})")
     return 0

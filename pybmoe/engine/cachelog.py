@@ -139,6 +139,7 @@ def cache_record(log: str, metrics: str | None = None) -> dict:
 _STREAM_SUMMARY = re.compile(r"moe-stream: ([0-9.]+)% hit, resident ([0-9.]+) MiB, misses (\d+) \(read ([0-9.]+) MiB, "
                              r"([0-9.]+) MiB/token\), io wait ([0-9.]+) s, major faults (\d+)")
 _STREAM_PREAMBLE = re.compile(r"moe-stream-preamble: (.*)$", re.M)
+_STREAM_CONTEXT = re.compile(r"moe-stream: auto: a context takes ([0-9.]+) MiB of host memory .*?-> budget ([0-9.]+) MiB")
 _STREAM_CLIFF = re.compile(r"moe-stream: WARNING the budget of [0-9.]+ MiB is below the cache cycle")
 
 
@@ -191,6 +192,10 @@ def stream_record(log: str, metrics: str | None = None) -> dict:
     for f in ("hit_pct", "resident_mib", "misses", "read_mib", "read_mib_per_token", "io_wait_s", "major_faults"):
         rec[f"stream_{f}"] = getattr(last, f) if last else None
     rec["stream_below_cycle"] = bool(_STREAM_CLIFF.search(log))
+    # auto: the budget once the last context's host memory was set aside (the preamble's is the load's)
+    ctx = _STREAM_CONTEXT.findall(log)
+    rec["stream_context_mib"] = float(ctx[-1][0]) if ctx else None
+    rec["stream_budget_after_contexts_mb"] = float(ctx[-1][1]) if ctx else None
     if metrics is not None:
         for name, value in re.findall(r"^llamacpp:moe_stream_(\w+)\s+(\S+)$", metrics, re.M):
             v = float(value)

@@ -97,10 +97,10 @@ def run_demo(model: Path | None = None, slots: int | None = None, inserts: int =
 #: top-8, n_embd 512, expert ff 512, Q8_0: 0.80 MiB per expert, 816 MiB of experts, 0.98 GiB in all.
 STREAM_DEMO_SHAPE = dict(n_layer=16, n_expert=64, top_k=8, n_embd=512, n_ff_exp=512, n_head=8, n_head_kv=4,
                          head_dim=64)
-#: Its memory limit (MiB): the model is 2.5x larger. Its stream budget (MiB): above the cache cycle
-#: (16 layers x top-8 x 0.80 MiB = 102 MiB), with room left under the limit for the dense weights.
+#: Its memory limit (MiB): the model is 2.5x larger. Its stream budget: ``auto``, the tier's default
+#: (what a user who types only ``--moe-stream-cache-mb auto`` gets; docs/stream-tier.md).
 STREAM_DEMO_LIMIT_MIB = 400
-STREAM_DEMO_BUDGET_MIB = 128
+STREAM_DEMO_BUDGET_MIB = "auto"
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,9 @@ def _bench_tg(model: Path, n_gen: int, extra: list[str], limit) -> tuple[float, 
 
 
 def run_stream_demo(model: Path | None = None, limit_mib: int = STREAM_DEMO_LIMIT_MIB,
-                    budget_mib: int = STREAM_DEMO_BUDGET_MIB, n_gen: int = 16, out=print) -> StreamDemoResult:
+                    budget_mib: int | str = STREAM_DEMO_BUDGET_MIB, n_gen: int = 16, out=print) -> StreamDemoResult:
     """The disk tier on a model larger than a memory limit: decode with stock mmap, then with
-    ``--moe-stream-cache-mb budget_mib``, both from a cold page cache under ``limit_mib`` (a cgroup;
+    ``--moe-stream-cache-mb budget_mib`` (MiB, or ``"auto"``: the default), both from a cold page cache under ``limit_mib`` (a cgroup;
     where one cannot be made, both run without it and the demo says so), then the two runs' tokens
     and logits compared (``pybmoe-logits``, no limit). Prints five lines; returns the figures.
     Raises :class:`EngineError` when a run fails."""
@@ -193,7 +193,9 @@ def run_stream_demo(model: Path | None = None, limit_mib: int = STREAM_DEMO_LIMI
     res = StreamDemoResult(limit_mib if limit else None, mmap_ts, stream_ts, rec["stream_hit_pct"] or 0.0,
                            rec["stream_read_mib_per_token"] or 0.0, same)
     out(f"mmap      : {mmap_ts:.2f} tok/s decode (stock llama.cpp: the page cache thrashes)")
-    out(f"stream    : {stream_ts:.2f} tok/s decode, --moe-stream-cache-mb {budget_mib}: {res.hit_pct:.1f}% hit, "
+    b = rec.get("stream_budget_after_contexts_mb") or rec.get("stream_budget_mb")
+    chosen = f" (chose {b:.0f} MiB)" if budget_mib == "auto" and b else ""
+    out(f"stream    : {stream_ts:.2f} tok/s decode, --moe-stream-cache-mb {budget_mib}{chosen}: {res.hit_pct:.1f}% hit, "
         f"{res.read_mib_per_token:.1f} MiB read/token")
     out(f"ratio     : {res.ratio:.2f}x")
     out(f"output    : {'IDENTICAL' if same else 'DIFFERENT'} (tokens and logits, mmap vs stream)")

@@ -154,30 +154,62 @@ class StreamPrediction:
         return 1.0 / (self.compute_s_per_token + self.io_s_per_token)
 
 
+#: The stream tier's own time per streamed layer step, beside its reads (ms): the op's bookkeeping, waking
+#: the read lanes, giving evicted pages back and the first touch of the pages a read filled. Measured on
+#: this project's 2-core machine (docs/benchmarks.md, "The disk tier at its defaults": a token's time
+#: less its io wait and its all-resident compute, over the 24 layers of a 4 GiB qwen3moe model).
+STREAM_STEP_OVERHEAD_MS = 1.0
+
+
 def predict_stream(shape: ModelShape, trace: tr.Trace, budget_mib: float, *, disk_mib_s: float,
                    resident_tok_s: float | None = None, ram_mib_s: float | None = None,
-                   dense_mib: float = 0.0) -> StreamPrediction:
+                   dense_mib: float = 0.0, step_overhead_ms: float = STREAM_STEP_OVERHEAD_MS,
+                   tokens: int | None = None, skip: int = 0) -> StreamPrediction:
     """Decode tok/s of the stream tier (``--moe-stream-cache-mb budget_mib``) on this model.
 
     The tier's policy is ``global-lru`` exactly, so the hit rate is the simulator's on the trace's
     decode lookups at ``budget_entries = floor(budget_mib / expert MiB)``. A token costs the compute
     of an all-resident token (``1 / resident_tok_s``, measured; or, without it, the bytes a token
-    touches, ``n_layer * top_k`` experts plus ``dense_mib``, at ``ram_mib_s``) plus its misses read
-    at ``disk_mib_s`` (serially: the tier does not overlap reads with compute). Units: MiB, MiB/s,
-    tokens/s. Raises :class:`SizingError` for a bandwidth <= 0 or neither compute figure.
+    touches, ``n_layer * top_k`` experts plus ``dense_mib``, at ``ram_mib_s``), plus the tier's own
+    ``step_overhead_ms`` per layer step (:data:`STREAM_STEP_OVERHEAD_MS`), plus its misses read at
+    ``disk_mib_s`` (serially: decode does not overlap reads with compute). ``disk_mib_s`` is best
+    measured at the tier's own read size and lanes: :func:`pybmoe.bench.disk.probe`.
+
+    ``tokens``: predict a short run, the trace's first ``tokens`` decode tokens of each workload from an
+    empty cache (llama-bench's ``-n N`` with its warm-up token is ``tokens=N + 1, skip=1``), of which the
+    first ``skip`` are not timed; default the whole trace. Units: MiB, MiB/s, ms, tokens/s.
+    Raises :class:`SizingError` for a bandwidth <= 0, neither compute figure, a negative overhead, or
+    ``tokens`` <= ``skip``.
     """
     if disk_mib_s <= 0 or (resident_tok_s is None and (ram_mib_s is None or ram_mib_s <= 0)):
         raise SizingError(f"disk_mib_s={disk_mib_s}, resident_tok_s={resident_tok_s}, ram_mib_s={ram_mib_s}; accepted: "
                           "disk_mib_s > 0 and resident_tok_s > 0 or ram_mib_s > 0")
-    r = sim.simulate(trace, "global-lru", mib=budget_mib, expert_bytes=shape.expert_bytes, phase="decode")
-    tokens = int(r.summary["tokens"].sum())
-    misses = int(r.summary["misses"].sum())
+    if step_overhead_ms < 0 or skip < 0 or (tokens is not None and tokens <= skip):
+        raise SizingError(f"step_overhead_ms={step_overhead_ms}, tokens={tokens}, skip={skip}; accepted: "
+                          "step_overhead_ms >= 0, 0 <= skip < tokens")
+
+    def run(t: tr.Trace, n: int | None):
+        if n is not None:  # each workload's first n decode tokens, and nothing before them
+            f = t.frame[t.frame["phase"] == "decode"]
+            order = f.groupby("workload", sort=False)["token"].rank(method="dense")
+            t = tr.from_frame(f[order <= n].reset_index(drop=True), t.meta, t.source)
+        r = sim.simulate(t, "global-lru", mib=budget_mib, expert_bytes=shape.expert_bytes, phase="decode")
+        return r, int(r.summary["tokens"].sum()), int(r.summary["misses"].sum())
+
+    r, n_tok, misses = run(trace, tokens)
+    hit_rate = r.hit_rate
+    if skip:
+        _, skip_tok, skip_miss = run(trace, skip)
+        n_tok, misses = n_tok - skip_tok, misses - skip_miss
+        lookups = n_tok * shape.n_layer * shape.top_k
+        hit_rate = 1.0 - misses / lookups if lookups else math.nan
     expert_mib = shape.expert_bytes / MIB
-    miss_mib = misses * expert_mib / tokens if tokens else 0.0
+    miss_mib = misses * expert_mib / n_tok if n_tok else 0.0
     if resident_tok_s is not None:
         if resident_tok_s <= 0:
             raise SizingError(f"resident_tok_s={resident_tok_s}; accepted: > 0")
         compute = 1.0 / resident_tok_s
     else:
         compute = (shape.n_layer * shape.top_k * expert_mib + dense_mib) / ram_mib_s
-    return StreamPrediction(budget_mib, r.budget_entries, r.hit_rate, miss_mib, compute, miss_mib / disk_mib_s)
+    compute += shape.n_layer * step_overhead_ms / 1000.0
+    return StreamPrediction(budget_mib, r.budget_entries, hit_rate, miss_mib, compute, miss_mib / disk_mib_s)

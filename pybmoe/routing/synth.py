@@ -319,3 +319,25 @@ def synthesize(source: tr.Trace, steps: int, *, seed: int = 0, workloads: int = 
     else:
         meta = tr.TraceMeta(source.meta.n_layer, source.meta.n_expert, k, extra=extra)
     return tr.from_frame(pd.concat(frames, ignore_index=True), meta, f"synth({source.source})")
+
+
+def uniform(steps: int, *, n_layer: int, n_expert: int, top_k: int, seed: int = 0, name: str = "uniform") -> tr.Trace:
+    """A decode trace of ``steps`` tokens whose every (token, layer) picks ``top_k`` distinct experts
+    uniformly at random out of ``n_expert``: no locality at all, the worst case for any cache (an
+    LRU of B of the n_layer * n_expert entries hits B / (n_layer * n_expert) of its lookups).
+
+    Raises :class:`ValueError` for ``steps`` < 1 or ``n_layer``, ``n_expert``, ``top_k`` out of range
+    (1 .. 512 layers, 2 .. 1024 experts, 1 .. n_expert).
+    """
+    for label, v, lo, hi in (("steps", steps, 1, 1 << 30), ("n_layer", n_layer, 1, 512),
+                             ("n_expert", n_expert, 2, 1024), ("top_k", top_k, 1, n_expert)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+            raise ValueError(f"{label}={v!r} is out of range; accepted: {lo} .. {hi}")
+    rng = np.random.default_rng(seed)
+    # argsort of uniform keys: top_k distinct experts per (token, layer), in random rank order
+    e = np.argsort(rng.random((steps, n_layer, n_expert)), axis=2)[:, :, :top_k]
+    tok, li, rnk = np.meshgrid(np.arange(steps), np.arange(n_layer), np.arange(top_k), indexing="ij")
+    frame = pd.DataFrame({"workload": name, "phase": "decode", "ubatch": tok.ravel(), "token": tok.ravel(),
+                          "layer": li.ravel(), "rank": rnk.ravel(), "expert": e.ravel(), "hit": -1})
+    meta = tr.TraceMeta(n_layer, n_expert, top_k, extra={"synth_uniform": "1", "synth_seed": str(seed)})
+    return tr.from_frame(frame, meta, f"uniform(L{n_layer}xE{n_expert}xK{top_k})")

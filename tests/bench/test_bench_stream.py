@@ -25,8 +25,8 @@ def result(tmp_path_factory):
 
 def test_every_point_and_mode_ran_and_was_written(result):
     runs = pd.read_csv(result.out_dir / "stream-runs.csv")
-    assert set(runs.point) == {"mmap", "stream:8", "stream:auto", "resident"}
-    assert len(runs) == 4 * 2 * 2 and set(runs["mode"]) == {"pp", "tg"}
+    assert set(runs.point) == {"mmap", "defaults", "stream:8", "stream:auto", "resident"}
+    assert len(runs) == 5 * 2 * 2 and set(runs["mode"]) == {"pp", "tg"}
     assert (runs.avg_ts > 0).all()
     for p in ("stream-summary.csv", "stream-pp.png", "stream-tg.png"):
         assert (result.out_dir / p).stat().st_size > 0
@@ -34,10 +34,10 @@ def test_every_point_and_mode_ran_and_was_written(result):
 
 def test_the_stream_points_carry_the_tiers_figures_and_mmap_none(result):
     r = result.runs
-    s = r[r.kind == "stream"]
+    s = r[r.kind.isin(["stream", "defaults"])]
     assert s.stream_hit_pct.notna().all() and (s.stream_budget_mb > 0).all()
     assert (s[s.budget == "8"].stream_budget_mb == 8.0).all()
-    assert r[r.kind != "stream"].stream_hit_pct.isna().all()
+    assert r[~r.kind.isin(["stream", "defaults"])].stream_hit_pct.isna().all()
     assert (r.tokens > 0).all() and (r.read_mib_per_token >= 0).all()
 
 
@@ -68,3 +68,16 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
     with pytest.raises(ValueError, match="repeats 0"):
         stream.bench_stream(model, tmp_path, limit_mib=None, repeats=0)
     assert not (tmp_path / "stream-runs.csv").exists()
+
+
+def test_the_defaults_point_passes_auto_and_nothing_else(tmp_path):
+    """The headline point is what a user who types only --moe-stream-cache-mb auto gets: no floor, no lanes,
+    no dense policy on its command line; the budget points carry what they were given."""
+    pts = stream.points(["300"], include_resident=False, dense=["mmap", "anon"], dense_only=True)
+    assert [p.name for p in pts] == ["mmap", "defaults", "stream:300+mmap", "stream:300+anon"]
+    kw = dict(n_prompt=8, n_gen=4, threads=2, ubatch=512, io_threads=None, floor_mib=None, route_replay=None)
+    cmd = stream.bench_command(tmp_path / "m.gguf", pts[1], "tg", **kw)
+    tier = [a for a in cmd if a.startswith("--moe-") or a.startswith("--dense")]
+    assert tier == ["--moe-stream-cache-mb"] and cmd[cmd.index("--moe-stream-cache-mb") + 1] == "auto"
+    fixed = stream.bench_command(tmp_path / "m.gguf", pts[3], "tg", **{**kw, "floor_mib": 0})
+    assert fixed[fixed.index("--dense-weights") + 1] == "anon" and "--moe-stream-floor-mb" in fixed

@@ -33,6 +33,19 @@ def test_bad_arguments_raise_value_error(model_q8, bad):
         bindings.Llama(str(model_q8), verbose=False, **bad)
 
 
+@pytest.mark.parametrize("kw,msg", [({"moe_stream_cache_mb": 10**12}, r"moe_stream_cache_mb=1000000000000 is invalid; "
+                                                                      r"accepted: an integer in 0 \.\. 2147483647"),
+                                    ({"moe_stream_cache_mb": 2**31}, r"an integer in 0 \.\. 2147483647 or 'auto'"),
+                                    ({"moe_stream_floor_mb": -3}, r"moe_stream_floor_mb=-3 is invalid"),
+                                    ({"dense_weights": "ram"}, r"dense_weights='ram' is invalid; accepted: mmap, warm, "
+                                                               r"anon, auto")])
+def test_stream_values_out_of_range_name_the_range(model_q8, kw, msg):
+    """A budget past the engine's int32 MiB used to wrap to a negative budget; now it is refused with the
+    real range before anything loads."""
+    with pytest.raises(ValueError, match=msg):
+        bindings.Llama(str(model_q8), verbose=False, **kw)
+
+
 def test_generation_equals_llama_server_and_stats_are_counted(model_q8, rpc):
     n = 24
     # same settings on both sides: no flash attention (llama_cpp.Llama default), same batch sizes

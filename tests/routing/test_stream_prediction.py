@@ -15,14 +15,38 @@ def test_the_hit_rate_is_global_lru_and_the_time_adds_compute_and_reads(granite)
     assert p.hit_rate == pytest.approx(r.hit_rate)
     lookups_per_token = SHAPE.n_layer * SHAPE.top_k
     assert p.miss_mib_per_token == pytest.approx((1 - r.hit_rate) * lookups_per_token * 1.59375)
-    assert p.tok_s == pytest.approx(1 / (1 / 20.0 + p.miss_mib_per_token / 1000.0))
+    overhead = 24 * sizing.STREAM_STEP_OVERHEAD_MS / 1000
+    assert p.tok_s == pytest.approx(1 / (1 / 20.0 + overhead + p.miss_mib_per_token / 1000.0))
     more = sizing.predict_stream(SHAPE, granite, 400.0, disk_mib_s=1000.0, resident_tok_s=20.0)
     assert more.hit_rate > p.hit_rate and more.tok_s > p.tok_s
 
 
 def test_without_a_measured_decode_the_ram_bandwidth_gives_the_compute(granite):
     p = sizing.predict_stream(SHAPE, granite, 200.0, disk_mib_s=1000.0, ram_mib_s=10_000.0, dense_mib=240.0)
-    assert p.compute_s_per_token == pytest.approx((24 * 8 * 1.59375 + 240.0) / 10_000.0)
+    assert p.compute_s_per_token == pytest.approx((24 * 8 * 1.59375 + 240.0) / 10_000.0 + 24 * 1.0 / 1000)
+
+
+def test_a_short_run_counts_the_misses_of_its_own_tokens_from_an_empty_cache(granite):
+    """llama-bench -n 8: a warm-up token and 8 timed ones, from an empty cache: the misses of tokens
+    1 .. 8 of a global-lru replay of the first 9 tokens (the cold start a whole-trace hit rate hides)."""
+    from pybmoe.routing import trace as tr
+    f = granite.frame
+    first = f[(f["workload"] == f["workload"].iloc[0]) & (f["phase"] == "decode")]
+    first = first.assign(token=first["token"] - first["token"].min())
+    one = tr.from_frame(first.reset_index(drop=True), granite.meta, granite.source)
+    p = sizing.predict_stream(SHAPE, one, 400.0, disk_mib_s=1000.0, resident_tok_s=20.0, step_overhead_ms=0.0,
+                              tokens=9, skip=1)
+    def misses(n):
+        t = tr.from_frame(first[first["token"] < n].reset_index(drop=True), granite.meta, granite.source)
+        return int(sim.simulate(t, "global-lru", mib=400.0, expert_bytes=SHAPE.expert_bytes,
+                                phase="decode").summary["misses"].sum())
+    timed = misses(9) - misses(1)
+    assert p.miss_mib_per_token == pytest.approx(timed * 1.59375 / 8)
+    assert p.hit_rate == pytest.approx(1 - timed / (8 * 24 * 8))
+    whole = sizing.predict_stream(SHAPE, one, 400.0, disk_mib_s=1000.0, resident_tok_s=20.0)
+    assert whole.hit_rate > p.hit_rate  # the cold start
+    with pytest.raises(sizing.SizingError):
+        sizing.predict_stream(SHAPE, one, 400.0, disk_mib_s=1000.0, resident_tok_s=20.0, tokens=1, skip=1)
 
 
 @pytest.mark.parametrize("kw", [dict(disk_mib_s=0.0, resident_tok_s=1.0), dict(disk_mib_s=1.0),

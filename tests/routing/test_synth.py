@@ -157,3 +157,33 @@ def test_map_top_k_and_errors(granite, tmp_path, capsys):
     assert (t.meta.n_layer, t.meta.n_expert, t.meta.n_expert_used) == (30, 96, 8)
     assert "30 layers, 96 experts, top-8" in capsys.readouterr().out
     assert cli.main(["trace", "synth", "--from", str(GRANITE), "--steps", "16", "--top-k", "9", "--out", str(out)]) == 2
+
+
+def test_a_uniform_trace_has_no_locality():
+    """`pybmoe trace synth --uniform`: top-k distinct experts per (token, layer), uniformly drawn, so a
+    global LRU of B entries hits about B / (n_layer * n_expert) of its lookups (the worst case)."""
+    import numpy as np
+    from pybmoe.routing import sim
+    t = synth.uniform(1500, n_layer=4, n_expert=32, top_k=4, seed=3)
+    f = t.frame
+    assert len(f) == 1500 * 4 * 4 and t.meta.n_expert == 32 and t.meta.n_expert_used == 4
+    per = f.groupby(["token", "layer"]).expert.nunique()
+    assert (per == 4).all()
+    counts = np.bincount(f.expert, minlength=32)
+    assert counts.min() > 0.85 * counts.mean()
+    r = sim.simulate(t, "global-lru", budget_entries=64, phase="decode")
+    assert abs(r.hit_rate - 64 / 128) < 0.05  # about B / N: a step never repeats an expert of its layer
+    assert synth.uniform(10, n_layer=2, n_expert=8, top_k=2, seed=1).frame.equals(
+        synth.uniform(10, n_layer=2, n_expert=8, top_k=2, seed=1).frame)
+    with pytest.raises(ValueError, match="top_k=9 is out of range"):
+        synth.uniform(10, n_layer=2, n_expert=8, top_k=9)
+
+
+def test_the_cli_wants_a_shape_for_a_uniform_trace(tmp_path, capsys):
+    from pybmoe.cli import trace as trace_cli
+    assert trace_cli.main(["synth", "--uniform", "--steps", "4", "--out", str(tmp_path / "u.csv")]) == 2
+    assert "--uniform needs --n-layer, --n-expert and --top-k" in capsys.readouterr().err
+    assert trace_cli.main(["synth", "--uniform", "--steps", "4", "--n-layer", "2", "--n-expert", "8", "--top-k", "2",
+                           "--out", str(tmp_path / "u.csv")]) == 0
+    from pybmoe.routing import trace as tr
+    assert len(tr.read_trace(tmp_path / "u.csv").frame) == 4 * 2 * 2
