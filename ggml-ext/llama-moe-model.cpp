@@ -42,6 +42,8 @@ void llama_moe_cache_on_context_init(const llama_model & model, const void * ctx
     if (mc == nullptr || !mc->stream.on()) {
         return;
     }
+    // auto may resize: not while another context's graph reads the entries (that context's turn ends first)
+    std::lock_guard<std::mutex> turn(mc->graph_mutex);
     std::lock_guard<std::mutex> lock(mc->mutex);
     mc->stream.on_context(ctx, (int64_t) (kv + compute + output), (int64_t) kv, (int64_t) compute, (int64_t) output);
 }
@@ -50,6 +52,11 @@ void llama_moe_cache_on_context_free(const llama_model & model, const void * ctx
     llama_moe_cache * mc = model.moe_cache;
     if (mc == nullptr) {
         return;
+    }
+    // auto may resize (as on_context_init): the turn first, then the step's lock, in the step's order
+    std::unique_lock<std::mutex> turn(mc->graph_mutex, std::defer_lock);
+    if (mc->stream.on()) {
+        turn.lock();
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
     if (mc->vram.enabled()) {
