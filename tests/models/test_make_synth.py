@@ -72,10 +72,10 @@ def test_bytes_do_not_depend_on_threads_and_follow_the_seed(tmp_path):
     assert a.read_bytes() != c.read_bytes()
 
 
-@pytest.mark.parametrize("type_, qtype", [("q4_0", "Q4_0"), ("f16", "F16")])
+@pytest.mark.parametrize("type_, qtype", [("q4_0", "Q4_0"), ("q4_k", "Q4_K"), ("f16", "F16")])
 def test_other_types(tmp_path, type_, qtype):
     out = tmp_path / f"{type_}.gguf"
-    _write(out, type_=type_, n_layer=1)
+    _write(out, type_=type_, n_layer=1, **({"n_ff_exp": 256} if type_ == "q4_k" else {}))  # Q4_K rows: 256
     t = {t.name: t.qtype.name for t in models.read_metadata(out).tensors}
     assert t["blk.0.ffn_down_exps.weight"] == qtype and t["blk.0.ffn_gate_inp.weight"] == "F32"
 
@@ -83,7 +83,7 @@ def test_other_types(tmp_path, type_, qtype):
 def test_bad_arguments_are_refused(tmp_path):
     exe = str(engine.find_binary("pybmoe-make-synth"))
     vocab = str(models.default_vocab_path())
-    for extra, why in ((["--type", "q4_k"], "accepted: q8_0, q4_0, f16"), (["--n-embd", "100"], "multiples of 32"),
+    for extra, why in ((["--type", "q5_k"], "accepted: q8_0, q4_0, q4_k, f16"), (["--n-embd", "100"], "multiples of 32"),
                        (["--top-k", "0"], "--top-k=0")):
         r = subprocess.run([exe, str(tmp_path / "x.gguf"), "--vocab", vocab, *extra], capture_output=True, text=True)
         assert r.returncode == 2 and why in r.stderr, r.stderr
