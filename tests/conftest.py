@@ -177,6 +177,13 @@ SLOW: dict[str, str | set[str]] = {
     "tests/routing/test_synth.py": {
         "test_map_keeps_the_curve_at_the_same_fraction_of_experts",  # 3 s
     },
+    "tests/engine/test_stream_defaults.py": {
+        "test_dense_auto_picks_anon_only_when_the_gguf_does_not_fit_and_stays_exact",  # 7 s
+        "test_the_load_reads_only_the_dense_weights",  # 14 s
+    },
+    "tests/test_cli.py": {
+        "test_serve_runs_llama_server_inside_the_memory_limit",  # 4 s
+    },
     "tests/test_readme.py": {
         "test_the_test_commands_show_progress_by_file_and_have_a_fast_subset",  # 8 s
         "test_the_loopback_flow_runs_as_pasted",  # 10 s

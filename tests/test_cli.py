@@ -119,7 +119,7 @@ def test_serve_runs_llama_server_inside_the_memory_limit():
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert engine.wait_for_endpoint(f"127.0.0.1:{port}", 60)
-        pids = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout.split()
+        pids = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split()
         server = [q for q in pids if "llama-server" in Path(f"/proc/{q}/cmdline").read_bytes().decode(errors="replace")]
         assert server, pids
         groups = Path(f"/proc/{server[0]}/cgroup").read_text()
