@@ -128,10 +128,12 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     size_t  entry   = 0;
     int64_t total   = 0;
     double  cycle   = 0.0;
+    int     n_proj_max = 1;
     for (int il : ils) {
         const auto & layer = model->layers[il];
         const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
         const int n_proj = llama_moe_layer_exps(layer, exps);
+        n_proj_max = std::max(n_proj_max, n_proj);
         size_t e = 0;
         for (int p = 0; p < n_proj; ++p) {
             e += exps[p]->nb[2];
@@ -154,11 +156,6 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         if (t->buffer != nullptr && ggml_backend_buffer_is_host(t->buffer) && name.find("_exps.weight") == std::string::npos) {
             dense += (int64_t) ggml_nbytes(t);
         }
-    }
-    int n_proj_max = 1;
-    for (int il : ils) {
-        const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
-        n_proj_max = std::max(n_proj_max, llama_moe_layer_exps(model->layers[il], exps));
     }
 #if !defined(_WIN32)
     const int64_t page = (int64_t) sysconf(_SC_PAGESIZE);

@@ -203,20 +203,23 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
 
     // the admitted experts whose bytes a prefetch brought are there already; the prefetched ones the step
     // did not admit give their pages back
+    const bool from_prefetch = prefetch_li == li;
     std::vector<int32_t> experts;
-    std::vector<uint8_t> is_admitted(lru.n_expert, 0);
+    std::vector<uint8_t> is_admitted(from_prefetch ? lru.n_expert : 0, 0);
     size_t nbytes = 0;
     for (int32_t a : admitted) {
         const int32_t e = a % lru.n_expert;
-        is_admitted[e] = 1;
-        if (prefetch_li == li && prefetched[e]) {
+        if (from_prefetch) {
+            is_admitted[e] = 1;
+        }
+        if (from_prefetch && prefetched[e]) {
             prefetch_used += l.entry_bytes();
             nbytes        += l.entry_bytes(); // a miss's bytes, read ahead of the step
             continue;
         }
         experts.push_back(e);
     }
-    if (prefetch_li == li) {
+    if (from_prefetch) {
         std::vector<int32_t> unused;
         for (int32_t e = 0; e < lru.n_expert; ++e) {
             if (prefetched[e] && !is_admitted[e]) {
@@ -235,13 +238,17 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     }
     us += std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count();
 
-    // a prefill step: read the next layer's non-resident experts while this one computes
-    std::vector<uint8_t> wanted(lru.n_expert, 0);
-    for (int32_t e : want) {
-        wanted[e] = 1;
+    // a prefill step (it wanted half of its layer or more): read the next layer's non-resident experts while
+    // this one computes
+    int64_t n_distinct = 0;
+    if (prefetch_entries > 0 && li + 1 < (int32_t) layers.size()) {
+        std::vector<uint8_t> wanted(lru.n_expert, 0);
+        for (int32_t e : want) {
+            n_distinct += !wanted[e];
+            wanted[e] = 1;
+        }
     }
-    const int64_t n_distinct = std::count(wanted.begin(), wanted.end(), 1);
-    if (prefetch_entries > 0 && li + 1 < (int32_t) layers.size() && 2 * n_distinct >= lru.n_expert) {
+    if (2 * n_distinct >= lru.n_expert) {
         const int32_t nl = li + 1;
         prefetched.assign(lru.n_expert, 0);
         std::vector<int32_t> next;
