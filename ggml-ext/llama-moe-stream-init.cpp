@@ -53,7 +53,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     }
     const auto & hp = model->hparams;
     if (hp.n_expert == 0) {
-        LLAMA_LOG_INFO("%s: moe-stream: model has no MoE layers; --moe-stream-cache-mb is inert\n", __func__);
+        LLAMA_LOG_WARN("%s: moe-stream: model has no MoE layers; --moe-stream-cache-mb is inert\n", __func__);
         return 0;
     }
     llama_moe_cache * mc = model->moe_cache;

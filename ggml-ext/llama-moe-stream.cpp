@@ -333,6 +333,8 @@ void llama_moe_stream::get_stats(llama_moe_stream_stats & out) const {
     out.major_faults   = (uint64_t) std::max(0L, llama_moe_major_faults() - majflt_at_start);
     out.n_layers       = (int32_t) layers.size();
     out.direct_io      = reader.direct ? 1 : 0;
+    out.prefetch_bytes = prefetch_bytes;
+    out.prefetch_used  = prefetch_used;
 }
 
 void llama_moe_stream::print_summary() const {
@@ -343,7 +345,7 @@ void llama_moe_stream::print_summary() const {
             "major faults %llu, prefetched %.1f MiB (%.1f MiB of it used)\n", n ? 100.0*st.hits/n : 0.0,
             st.resident_bytes/1024.0/1024.0, (unsigned long long) st.misses, st.read_bytes/1024.0/1024.0,
             st.n_tokens ? st.read_bytes/1024.0/1024.0/st.n_tokens : 0.0, st.io_wait_us/1e6,
-            (unsigned long long) st.major_faults, prefetch_bytes/1024.0/1024.0, prefetch_used/1024.0/1024.0);
+            (unsigned long long) st.major_faults, st.prefetch_bytes/1024.0/1024.0, st.prefetch_used/1024.0/1024.0);
 }
 
 //

@@ -367,7 +367,7 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     }
     const auto & hp = model->hparams;
     if (hp.n_expert == 0) {
-        LLAMA_LOG_INFO("%s: moe-cache: model has no MoE layers; --moe-expert-cache is inert\n", __func__);
+        LLAMA_LOG_WARN("%s: moe-cache: model has no MoE layers; --moe-expert-cache is inert\n", __func__);
         return 0;
     }
     // a memory-estimation load (the --fit probe): size the slots and give their tensors a dummy
@@ -397,7 +397,7 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     int n_moe = 0;
     auto by_buft = llama_moe_vram_select(*model, mc->sources, estimate, n_moe);
     if (n_moe == 0) {
-        LLAMA_LOG_INFO("%s: moe-cache: model has no MoE layers; --moe-expert-cache is inert\n", __func__);
+        LLAMA_LOG_WARN("%s: moe-cache: model has no MoE layers; --moe-expert-cache is inert\n", __func__);
         return 0;
     }
     if (by_buft.empty() && model->n_devices() == 0) {

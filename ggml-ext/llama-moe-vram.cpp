@@ -287,21 +287,22 @@ void llama_moe_vram::get_stats(llama_moe_cache_stats & out) const {
     out.warmup            = warmup;
     out.n_syncs           = n_syncs;
     out.n_step_moves      = res.n_step_moves;
+    // demand (the BigMoeOnEdge seed's layer_demand_MiB / token_demand_MiB): expert bytes requested per
+    // served step, by the widest layer and by all cached layers together
+    for (const auto & l : layers) {
+        const auto & r = res.layers[l.ir];
+        const double d = res.n_steps ? (double) (r.hits + r.misses) * l.expert_bytes() / res.n_steps / 1024.0 / 1024.0 : 0.0;
+        out.layer_demand_mib  = std::max(out.layer_demand_mib, d);
+        out.token_demand_mib += d;
+    }
+    out.admit_window      = res.admit_window;
+    out.n_bypassed        = res.n_bypassed;
 }
 
 void llama_moe_vram::print_summary() const {
     llama_moe_cache_stats st;
     get_stats(st);
     const uint64_t n = st.hits + st.misses;
-    // demand (the BigMoeOnEdge seed's layer_demand_MiB / token_demand_MiB): expert bytes requested per
-    // served step, by the widest layer and by all cached layers together
-    double layer_demand = 0.0, token_demand = 0.0;
-    for (const auto & l : layers) {
-        const auto & r = res.layers[l.ir];
-        const double d = res.n_steps ? (double) (r.hits + r.misses) * l.expert_bytes() / res.n_steps / 1024.0 / 1024.0 : 0.0;
-        layer_demand  = std::max(layer_demand, d);
-        token_demand += d;
-    }
     // note: level NONE, so the line shows at the default verbosity, like the tools' own output
     // upload wait: time steps spent waiting for uploads; h2d: host-to-device calls; waits: blocking
     // waits; upload GB/s: the uploader's own rate while copying
@@ -309,12 +310,12 @@ void llama_moe_vram::print_summary() const {
             "token_demand %.2f MiB, steps %llu, upload wait %.1f ms, h2d %llu (%llu publishes), waits %llu, "
             "upload %.2f GB/s, file %.1f MiB, %s, warmup %llu%s\n",
             n ? 100.0*st.hits/n : 0.0, st.resident_bytes/1024.0/1024.0,
-            (unsigned long long) st.uploads, st.upload_bytes/1024.0/1024.0, layer_demand, token_demand,
+            (unsigned long long) st.uploads, st.upload_bytes/1024.0/1024.0, st.layer_demand_mib, st.token_demand_mib,
             (unsigned long long) st.n_steps, st.upload_wait_us/1000.0, (unsigned long long) st.n_h2d,
             (unsigned long long) st.n_publish, (unsigned long long) st.n_waits, st.upload_busy_us ? st.upload_bytes/1e3/st.upload_busy_us : 0.0,
             st.upload_file_bytes/1024.0/1024.0, sync ? "sync" : "async", (unsigned long long) st.warmup_uploads,
-            res.admit_window > 0 ? format(", admit second-miss:%d (%llu misses not admitted)", res.admit_window,
-                                          (unsigned long long) res.n_bypassed).c_str() : "");
+            st.admit_window > 0 ? format(", admit second-miss:%d (%llu misses not admitted)", st.admit_window,
+                                         (unsigned long long) st.n_bypassed).c_str() : "");
 }
 
 //

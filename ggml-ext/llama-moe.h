@@ -41,6 +41,10 @@ struct llama_moe_cache_stats {
     int32_t  warmup;          // experts per layer the warm-up uploads after a prefill (0 = off)
     uint64_t n_syncs;         // scheduler synchronizes the cache waited on: only before a step that changes a table
     int32_t  n_step_moves;    // the upload budget: uploads per step over all layers (0 = unlimited)
+    double   layer_demand_mib; // expert MiB requested per served step by the widest cached layer (the BigMoeOnEdge seed's layer_demand_MiB)
+    double   token_demand_mib; // expert MiB requested per served step by all cached layers together (token_demand_MiB)
+    int32_t  admit_window;    // --moe-expert-cache-admit second-miss:W (0 = always)
+    uint64_t n_bypassed;      // misses not admitted by the second-miss rule
 };
 
 // one device that holds slots (a buffer type: CUDA0, RPC0[host:port], ...)
@@ -183,6 +187,8 @@ struct llama_moe_stream_stats {
     uint64_t major_faults;    // major page faults of the process since the tier started (getrusage)
     int32_t  n_layers;        // streamed layers
     int32_t  direct_io;       // 1: O_DIRECT reads, 0: buffered (the file system refused it)
+    uint64_t prefetch_bytes;  // bytes the opt-in prefetch read ahead
+    uint64_t prefetch_used;   // of them, bytes a step then used
 };
 
 #define LLAMA_MOE_STREAM_AUTO                (-1)   // budget_mib: size from available memory

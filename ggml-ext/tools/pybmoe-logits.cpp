@@ -61,6 +61,7 @@ int main(int argc, char ** argv) {
         PYBMOE_OFF(hits); PYBMOE_OFF(misses); PYBMOE_OFF(read_bytes); PYBMOE_OFF(resident_bytes);
         PYBMOE_OFF(budget_bytes); PYBMOE_OFF(min_bytes); PYBMOE_OFF(total_bytes); PYBMOE_OFF(n_tokens);
         PYBMOE_OFF(io_wait_us); PYBMOE_OFF(major_faults); PYBMOE_OFF(n_layers); PYBMOE_OFF(direct_io);
+        PYBMOE_OFF(prefetch_bytes); PYBMOE_OFF(prefetch_used);
 #undef PYBMOE_OFF
         printf("\n");
         return 0;
@@ -75,6 +76,7 @@ int main(int argc, char ** argv) {
         PYBMOE_OFF(sync); PYBMOE_OFF(upload_wait_us); PYBMOE_OFF(n_h2d); PYBMOE_OFF(n_waits);
         PYBMOE_OFF(upload_file_bytes); PYBMOE_OFF(upload_busy_us); PYBMOE_OFF(n_publish);
         PYBMOE_OFF(warmup_uploads); PYBMOE_OFF(warmup); PYBMOE_OFF(n_syncs); PYBMOE_OFF(n_step_moves);
+        PYBMOE_OFF(layer_demand_mib); PYBMOE_OFF(token_demand_mib); PYBMOE_OFF(admit_window); PYBMOE_OFF(n_bypassed);
 #undef PYBMOE_OFF
         printf("\n");
         return 0;

@@ -15,15 +15,25 @@ Example (experts in host memory, every layer on a device, 8 cache slots per laye
 """
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 import ctypes
+import difflib
+import inspect
+import itertools
+import logging
 import os
+import sys
 import threading
+import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from .flags import parse_admit
+from .servers import wait_for_endpoint
 
 LLAMA_MOE_CACHE_AUTO = -1
 LLAMA_MOE_CACHE_ERR_NO_ROOM = -3  # llama-moe.h: fixed slots do not fit a device
@@ -61,6 +71,10 @@ class MoeCacheStatsC(ctypes.Structure):
         ("warmup", ctypes.c_int32),
         ("n_syncs", ctypes.c_uint64),
         ("n_step_moves", ctypes.c_int32),
+        ("layer_demand_mib", ctypes.c_double),
+        ("token_demand_mib", ctypes.c_double),
+        ("admit_window", ctypes.c_int32),
+        ("n_bypassed", ctypes.c_uint64),
     ]
 
 
@@ -80,6 +94,8 @@ class MoeStreamStatsC(ctypes.Structure):
         ("major_faults", ctypes.c_uint64),
         ("n_layers", ctypes.c_int32),
         ("direct_io", ctypes.c_int32),
+        ("prefetch_bytes", ctypes.c_uint64),
+        ("prefetch_used", ctypes.c_uint64),
     ]
 
 
@@ -90,7 +106,10 @@ class MoeStreamStats:
     hits / misses: (layer, expert) lookups found in RAM / read from the file first; read_mib,
     resident_mib, budget_mib, min_mib (the mechanical minimum), total_mib (every streamed expert):
     MiB; tokens: tokens served; io_wait_s: seconds the graph waited for reads; major_faults: the
-    process's major page faults since the tier started; direct_io: O_DIRECT reads (else buffered).
+    process's major page faults since the tier started; direct_io: O_DIRECT reads (else buffered);
+    prefetch_mib / prefetch_used_mib: MiB the opt-in prefetch read ahead, and of them the MiB a step
+    then used. These are the fields of the engine's ``moe-stream:`` summary line (which
+    ``verbose=False`` does not print).
     """
 
     hits: int
@@ -105,6 +124,13 @@ class MoeStreamStats:
     major_faults: int
     n_layers: int
     direct_io: bool
+    prefetch_mib: float = 0.0
+    prefetch_used_mib: float = 0.0
+
+    @property
+    def read_mib_per_token(self) -> float:
+        """MiB read per token served (0 before the first token)."""
+        return self.read_mib / self.tokens if self.tokens else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -134,7 +160,11 @@ class MoeCacheStats:
     (one per device per step that changed a table); warmup: experts per layer the prefill warm-up
     uploads (0 = off); warmup_uploads: uploads it scheduled; syncs: scheduler synchronizes the
     cache waited on (only before a step that changes a table); step_moves: the upload budget in
-    experts per step (0 = unlimited).
+    experts per step (0 = unlimited); layer_demand_mib / token_demand_mib: expert MiB requested per
+    served step by the widest cached layer / by all cached layers (the BigMoeOnEdge seed's
+    layer_demand_MiB and token_demand_MiB); admit_window: the second-miss window in steps (0 =
+    admit always); bypassed: misses the second-miss rule did not upload. These are the fields of the
+    engine's ``moe-cache:`` summary line (which ``verbose=False`` does not print).
     """
 
     hits: int
@@ -160,6 +190,15 @@ class MoeCacheStats:
     warmup: int = 0
     syncs: int = 0
     step_moves: int = 0
+    layer_demand_mib: float = 0.0
+    token_demand_mib: float = 0.0
+    admit_window: int = 0
+    bypassed: int = 0
+
+    @property
+    def upload_gbps(self) -> float:
+        """The uploader's own rate while copying, GB/s (10^9 bytes; 0 before the first upload)."""
+        return self.upload_mib * 1024 * 1024 / 1e9 / self.upload_busy_s if self.upload_busy_s else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -312,6 +351,10 @@ def add_rpc_server(endpoint: str) -> list[int]:
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"rpc server {endpoint!r} must be host:port")
+    # upstream aborts the process (a backtrace from "Failed to connect") where nothing listens
+    if not wait_for_endpoint(endpoint, 0):
+        raise ValueError(f"rpc server {endpoint} is not reachable: nothing accepts connections there (start "
+                         f"ggml-rpc-server on that host and port, or fix rpc_servers)")
     lib = _ggml("ggml")
     lib.ggml_backend_reg_by_name.restype = ctypes.c_void_p
     lib.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
@@ -381,6 +424,111 @@ def _import_llama_cpp():
 
 llama_cpp, _internals = _import_llama_cpp()
 
+#
+# the engine's log: one callback for the process, as llama_cpp's own, but quiet when asked
+#
+
+# ggml.h's enum ggml_log_level (llama_cpp 0.3.36's _logger maps an older enum: it shows WARN lines as
+# errors and hides ERROR lines as debug at verbose=False)
+GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_DEBUG, GGML_LOG_LEVEL_INFO = 0, 1, 2
+GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 3, 4, 5
+#: the engine's recent lines, (sequence number, level, text): the reasons errors carry
+_log_recent: collections.deque = collections.deque(maxlen=256)
+_log_seq = itertools.count(1)
+_log_state = {"last": GGML_LOG_LEVEL_NONE, "seq": 0}
+
+
+def _verbose() -> bool:
+    """llama_cpp's verbosity (``Llama(verbose=...)`` sets it for the process)."""
+    from llama_cpp import _logger
+    return _logger.logger.level <= logging.INFO
+
+
+def _log_shown(level: int, text: str) -> bool:
+    """Whether a line reaches stderr. ``verbose=True``: every line, as llama_cpp prints them.
+    ``verbose=False``: errors, and the warnings of pybmoe's tiers (a tier that was asked for and did
+    not engage, an inert flag, a lost RPC server); nothing else, not the tiers' load and summary lines
+    (level NONE, which llama_cpp would print at any verbosity)."""
+    if _verbose():
+        return True
+    return level == GGML_LOG_LEVEL_ERROR or (level == GGML_LOG_LEVEL_WARN and ("moe-" in text or "ggml-rpc" in text))
+
+
+@llama_cpp.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data) -> None:
+    if level == GGML_LOG_LEVEL_CONT:
+        level = _log_state["last"]
+    else:
+        _log_state["last"] = level
+    line = text.decode("utf-8", errors="replace")
+    n = next(_log_seq)
+    _log_recent.append((n, level, line))
+    _log_state["seq"] = n
+    if _log_shown(level, line):
+        print(line, end="", flush=True, file=sys.stderr)
+
+
+llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
+def _log_mark() -> int:
+    """The sequence number of the engine's last line (for :func:`_log_reasons`)."""
+    return _log_state["seq"]
+
+
+def _log_reasons(since: int) -> str:
+    """The engine's WARN and ERROR lines after ``since`` (:func:`_log_mark`), joined: the reason an
+    error carries, whatever the verbosity."""
+    lines = [t.strip() for n, lvl, t in list(_log_recent)
+             if n > since and lvl in (GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR) and t.strip()]
+    lines.sort(key=lambda t: "is lost" not in t)  # a lost RPC server first: the cause of what follows
+    return "; ".join(dict.fromkeys(lines))
+
+
+def _with_reason(msg: str, since: int) -> str:
+    why = _log_reasons(since)
+    return f"{msg}; the engine said: {why}" if why else msg
+
+
+#: every open pybmoe.Llama: closed at interpreter exit while the interpreter still runs, so that no
+#: engine thread enters the log callback of an interpreter that is shutting down
+_live: "weakref.WeakSet[Llama]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for llm in list(_live):
+        with contextlib.suppress(Exception):
+            llm.close()
+
+
+def _llama_cpp_params() -> set[str]:
+    return set(inspect.signature(llama_cpp.Llama.__init__).parameters) - {"self", "kwargs"}
+
+
+def _check_kwargs(ours: set[str], kwargs: dict) -> None:
+    """An unknown ``moe_*``/``dense_*`` keyword (or one close to a pybmoe keyword) is a TypeError
+    naming the closest valid name; llama_cpp.Llama would ignore it, leaving the tier off."""
+    theirs = _llama_cpp_params()
+    for k in kwargs:
+        if k in theirs:
+            continue
+        close = difflib.get_close_matches(k, sorted(ours), n=1, cutoff=0.6)
+        if k.startswith(("moe_", "dense_")) or difflib.get_close_matches(k, sorted(ours), n=1, cutoff=0.85):
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"pybmoe.Llama got an unexpected keyword argument {k!r}{hint}")
+
+
+class _LoadPlan:
+    """What :class:`Llama`'s model load needs (override and device arrays, kept alive with the model)
+    and what it reports back (the slots allocated); it holds no reference to the Llama."""
+
+    def __init__(self):
+        self.devices = None
+        self.patterns: list[bytes] = []
+        self.overrides = None
+        self.slots_allocated = 0
+
 
 class Llama(llama_cpp.Llama):
     """``llama_cpp.Llama`` that can place experts in host memory and cache them on the device.
@@ -444,6 +592,7 @@ class Llama(llama_cpp.Llama):
                  moe_stream_floor_mb: int | str = "auto", moe_stream_ceil_mb: int = 0,
                  moe_stream_io_threads: int = 4, dense_weights: str = "auto", **kwargs):
         self._stack = contextlib.ExitStack()  # llama_cpp's __del__ needs it even when we raise first
+        _check_kwargs(set(inspect.signature(Llama.__init__).parameters) - {"self", "kwargs"}, kwargs)
         slots = _check_count("moe_expert_cache", moe_expert_cache, allow_auto=True)
         inserts = _check_count("moe_expert_cache_inserts", moe_expert_cache_inserts)
         warmup = _check_count("moe_expert_cache_warmup", moe_expert_cache_warmup)
@@ -466,9 +615,11 @@ class Llama(llama_cpp.Llama):
         n_ubatch = int(kwargs.get("n_ubatch", 512))
         endpoints = [ep.strip() for ep in rpc_servers.split(",") if ep.strip()] if rpc_servers else []
         devices = offload_devices(endpoints)  # this model's RPC devices only, not other models'
-        self._moe_devices = None if devices is None else (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+        # what the model load needs and reports back; it holds no reference to this Llama (so that the
+        # Llama is freed when its last reference goes, as llama_cpp.Llama is)
+        plan = self._moe_plan = _LoadPlan()
+        plan.devices = None if devices is None else (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
         device_names = _device_names(devices)
-        self._moe_slots_allocated = 0
 
         pairs: list[tuple[str, int]] = []
         if isinstance(override_tensor, str):
@@ -482,19 +633,19 @@ class Llama(llama_cpp.Llama):
         if cpu_moe:
             pairs.append((EXPS_REGEX, cpu_buffer_type()))
         pairs += [(rf"blk\.{i}{EXPS_REGEX}", cpu_buffer_type()) for i in range(n_cpu_moe)]
-        self._moe_patterns = [p.encode() for p, _ in pairs]  # kept alive with the model
-        self._moe_overrides = (_Override * (len(pairs) + 1))(
-            *[_Override(pat, buft) for pat, (_, buft) in zip(self._moe_patterns, pairs)], _Override(None, None))
+        plan.patterns = [p.encode() for p, _ in pairs]  # kept alive with the model
+        plan.overrides = (_Override * (len(pairs) + 1))(
+            *[_Override(pat, buft) for pat, (_, buft) in zip(plan.patterns, pairs)], _Override(None, None))
 
-        wrapper = self
         base = _internals.LlamaModel
 
         class _Model(base):
             def __init__(self, *, path_model, params, verbose=True):
+                mark = _log_mark()
                 if pairs:
-                    params.tensor_buft_overrides = ctypes.addressof(wrapper._moe_overrides)
-                if wrapper._moe_devices is not None:
-                    params.devices = ctypes.addressof(wrapper._moe_devices)
+                    params.tensor_buft_overrides = ctypes.addressof(plan.overrides)
+                if plan.devices is not None:
+                    params.devices = ctypes.addressof(plan.devices)
                 if not repack or stream_mb != 0:
                     params.use_extra_bufts = False  # streamed experts must keep the GGUF layout
                 # with the stream tier, the load leaves the host-resident experts unread (the tier reads them)
@@ -506,13 +657,13 @@ class Llama(llama_cpp.Llama):
                     rc = lib.llama_model_moe_cache_init_budget(self.model, slots, inserts, floor_mb, ceil_mb)
                     if rc == LLAMA_MOE_CACHE_ERR_NO_ROOM:
                         self.close()
-                        raise ValueError(f"moe_expert_cache={moe_expert_cache!r} does not fit the device's free memory "
-                                         f"minus moe_expert_cache_floor_mb={floor_mb} MiB (the engine's log gives the "
-                                         "MiB and the most slots that fit)")
+                        raise ValueError(_with_reason(
+                            f"moe_expert_cache={moe_expert_cache!r} does not fit the device's free memory minus "
+                            f"moe_expert_cache_floor_mb={floor_mb} MiB", mark))
                     if rc == 0:
-                        self.close()
-                        raise ValueError(f"moe_expert_cache={moe_expert_cache!r} was requested but the model has no MoE "
-                                         "layers")
+                        # as llama-server: the flag is inert, and says so (a WARN line there)
+                        warnings.warn(f"moe_expert_cache={moe_expert_cache!r} is inert: the model has no MoE layers",
+                                      RuntimeWarning, stacklevel=4)
                     if rc < 0 and not device_names:
                         self.close()
                         raise ValueError(f"moe_expert_cache={moe_expert_cache!r} needs a device to hold the slots, and "
@@ -522,10 +673,10 @@ class Llama(llama_cpp.Llama):
                                          "install .)")
                     if rc < 0:
                         self.close()
-                        raise ValueError(f"moe_expert_cache={moe_expert_cache!r} was requested but the expert cache "
-                                         f"did not engage on {', '.join(device_names)} (no host-resident MoE layer "
-                                         "with a device-resident router: give n_gpu_layers and cpu_moe; or no room; "
-                                         "the engine's log, verbose=True, says which)")
+                        raise ValueError(_with_reason(
+                            f"moe_expert_cache={moe_expert_cache!r} was requested but the expert cache did not engage "
+                            f"on {', '.join(device_names)} (no host-resident MoE layer with a device-resident router: "
+                            "give n_gpu_layers and cpu_moe; or no room)", mark))
                     if moe_expert_cache_sync:
                         lib.llama_model_moe_cache_set_sync(self.model, True)
                     if admit_window:
@@ -534,27 +685,30 @@ class Llama(llama_cpp.Llama):
                         lib.llama_model_moe_cache_set_warmup(self.model, warmup)
                     if upload_mb and lib.llama_model_moe_cache_set_upload_budget_mib(self.model, upload_mb) < 0:
                         self.close()
-                        raise ValueError(f"moe_expert_cache_upload_mb={upload_mb} is under one expert (the engine's "
-                                         "log gives its MiB)")
+                        raise ValueError(_with_reason(f"moe_expert_cache_upload_mb={upload_mb} is under one expert",
+                                                      mark))
                     st = MoeCacheStatsC()
                     if _llama_lib().llama_model_moe_cache_get_stats(self.model, ctypes.byref(st)):
-                        wrapper._moe_slots_allocated = st.n_slots
+                        plan.slots_allocated = st.n_slots
                 if stream_mb != 0:
                     lib = _llama_lib()
                     rc = lib.llama_model_moe_stream_init(self.model, stream_mb, stream_floor, stream_ceil, io_threads,
                                                          n_ubatch)
                     if rc == -3:
                         self.close()
-                        raise ValueError(f"moe_stream_cache_mb={moe_stream_cache_mb!r} is under the mechanical minimum "
-                                         f"at n_ubatch={n_ubatch} (the engine's log gives the arithmetic)")
+                        raise ValueError(_with_reason(f"moe_stream_cache_mb={moe_stream_cache_mb!r} is under the "
+                                                      f"mechanical minimum at n_ubatch={n_ubatch}", mark))
                     if rc < 0:
                         self.close()
-                        raise ValueError(f"moe_stream_cache_mb={moe_stream_cache_mb!r} was requested but the stream "
-                                         "tier did not engage (the engine's log says why)")
+                        raise ValueError(_with_reason(f"moe_stream_cache_mb={moe_stream_cache_mb!r} was requested but "
+                                                      "the stream tier did not engage", mark))
+                    if rc == 0:
+                        warnings.warn(f"moe_stream_cache_mb={moe_stream_cache_mb!r} is inert: the model has no MoE "
+                                      "layers", RuntimeWarning, stacklevel=4)
                 apply_dense = stream_mb != 0 if dense_mode == LLAMA_MOE_DENSE_AUTO else dense_mode != 0
                 if apply_dense and _llama_lib().llama_model_moe_dense_weights(self.model, dense_mode) < 0:
                     self.close()
-                    raise ValueError(f"dense_weights={dense_weights!r} could not be applied (the engine's log says why)")
+                    raise ValueError(_with_reason(f"dense_weights={dense_weights!r} could not be applied", mark))
 
         with _lock:
             _internals.LlamaModel = _Model
@@ -562,6 +716,29 @@ class Llama(llama_cpp.Llama):
                 super().__init__(os.fspath(model_path), **kwargs)  # llama_cpp takes a str only
             finally:
                 _internals.LlamaModel = base
+        _live.add(self)
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Frees the model, its contexts, the cache's slots and the stream tier's RAM now (as ``del``
+        of the last reference does). Safe to call more than once, and after the RPC server went away
+        (frees on a lost server are no-ops)."""
+        _live.discard(self)
+        super().close()
+
+    def eval(self, tokens) -> None:
+        """``llama_cpp.Llama.eval``; a failed decode's RuntimeError carries the engine's reason (a lost
+        RPC server names its host:port)."""
+        mark = _log_mark()
+        try:
+            super().eval(tokens)
+        except RuntimeError as e:
+            raise RuntimeError(_with_reason(str(e), mark)) from e
 
     def moe_cache_stats(self) -> MoeCacheStats:
         """The expert cache's counters. Raises ValueError when the cache is off."""
@@ -573,7 +750,8 @@ class Llama(llama_cpp.Llama):
                              st.alloc_bytes / mib, st.n_steps, st.n_layers, st.n_slots, st.n_inserts, st.n_expert,
                              st.n_expert_used, bool(st.sync), st.upload_wait_us / 1e6, st.n_h2d, st.n_waits,
                              st.upload_file_bytes / mib, st.upload_busy_us / 1e6, st.n_publish, st.warmup_uploads,
-                             st.warmup, st.n_syncs, st.n_step_moves)
+                             st.warmup, st.n_syncs, st.n_step_moves, st.layer_demand_mib, st.token_demand_mib,
+                             st.admit_window, st.n_bypassed)
 
     def moe_stream_stats(self) -> MoeStreamStats:
         """The stream tier's counters. Raises ValueError when the tier is off."""
@@ -583,7 +761,8 @@ class Llama(llama_cpp.Llama):
         mib = 1024.0 * 1024.0
         return MoeStreamStats(st.hits, st.misses, st.read_bytes / mib, st.resident_bytes / mib, st.budget_bytes / mib,
                               st.min_bytes / mib, st.total_bytes / mib, st.n_tokens, st.io_wait_us / 1e6,
-                              st.major_faults, st.n_layers, bool(st.direct_io))
+                              st.major_faults, st.n_layers, bool(st.direct_io), st.prefetch_bytes / mib,
+                              st.prefetch_used / mib)
 
     def set_moe_stream_budget_mb(self, budget_mb: int) -> int:
         """Sets the stream tier's budget (MiB) between generations; a shrink evicts the least
@@ -617,7 +796,7 @@ class Llama(llama_cpp.Llama):
         """
         n = _check_count("n_slots", n_slots)
         self.moe_cache_stats()  # ValueError when off
-        cap = self._moe_slots_allocated
+        cap = self._moe_plan.slots_allocated
         if n > cap:
             raise ValueError(f"n_slots={n_slots} is out of range; accepted: 0 .. {cap} (the slots allocated at load)")
         rc = _llama_lib().llama_model_moe_cache_set_slots(self._model.model, n)
