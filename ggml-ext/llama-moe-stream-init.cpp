@@ -118,6 +118,11 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         }
         LLAMA_LOG_WARN("%s: moe-stream: WARNING %zu layer(s) not streamed (%s): %s\n", __func__, v.size(), list.c_str(), why.c_str());
     }
+    if (n_moe == 0) {
+        // a dense architecture whose GGUF carries an expert count (upstream's ernie4_5, paddleocr)
+        LLAMA_LOG_WARN("%s: moe-stream: model has no MoE layers; --moe-stream-cache-mb is inert\n", __func__);
+        return 0;
+    }
     if (ils.empty()) {
         LLAMA_LOG_WARN("%s: moe-stream: WARNING --moe-stream-cache-mb was given but none of the %d MoE layers has "
                 "host-resident experts in the GGUF layout; the stream tier is OFF\n", __func__, n_moe);

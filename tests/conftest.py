@@ -102,6 +102,11 @@ SLOW: dict[str, str | set[str]] = {
         "test_every_variant_is_bit_identical",  # 123 s
         "test_every_variant_speculates_through_the_cache",  # 11 s
     },
+    "tests/engine/test_bindings_life.py": {
+        "test_a_lost_rpc_server_never_hangs",  # 15 cases, 2-4 s each
+        "test_llama_server_shows_the_inert_line_at_its_default_verbosity",  # 3 s
+        "test_verbose_false_prints_nothing",  # 3 s
+    },
     "tests/engine/test_cache_identity.py": {
         "test_logits_bit_identical",  # 19 s
         "test_logits_bit_identical_other_types",  # 12 s
@@ -120,7 +125,7 @@ SLOW: dict[str, str | set[str]] = {
         "test_auto_counts_a_draft_model",  # 5 s
         "test_a_cache_that_never_serves_warns_per_layer",  # 4 s
         "test_auto_counts_an_mtp_draft_context",  # 3 s
-        "test_a_dense_model_is_inert_with_one_info_line",  # 3 s
+        "test_a_dense_model_is_inert_with_one_warn_line",  # 3 s
         "test_auto_sets_aside_the_contexts_memory",  # 6 s
         "test_experts_in_a_cpu_buffer_without_mmap_do_not_warn",  # 4 s
         "test_fit_counts_fixed_slots",  # 4 s

@@ -479,8 +479,10 @@ def _log_mark() -> int:
 def _log_reasons(since: int) -> str:
     """The engine's WARN and ERROR lines after ``since`` (:func:`_log_mark`), joined: the reason an
     error carries, whatever the verbosity."""
+    # a lost RPC server is logged once, by whichever call saw it first (maybe before ``since``)
     lines = [t.strip() for n, lvl, t in list(_log_recent)
-             if n > since and lvl in (GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR) and t.strip()]
+             if (n > since or "ggml-rpc: RPC server" in t) and lvl in (GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR)
+             and t.strip()]
     lines.sort(key=lambda t: "is lost" not in t)  # a lost RPC server first: the cause of what follows
     return "; ".join(dict.fromkeys(lines))
 
@@ -641,7 +643,6 @@ class Llama(llama_cpp.Llama):
 
         class _Model(base):
             def __init__(self, *, path_model, params, verbose=True):
-                mark = _log_mark()
                 if pairs:
                     params.tensor_buft_overrides = ctypes.addressof(plan.overrides)
                 if plan.devices is not None:
@@ -651,6 +652,7 @@ class Llama(llama_cpp.Llama):
                 # with the stream tier, the load leaves the host-resident experts unread (the tier reads them)
                 _llama_lib().llama_moe_stream_hint_lazy_load(os.fsencode(path_model) if stream_mb != 0 else None)
                 super().__init__(path_model=path_model, params=params, verbose=verbose)
+                mark = _log_mark()  # the reasons below are the tiers' lines, not the loader's
                 # the cache belongs to the model: enable it before the context reserves its graphs
                 if slots != 0:
                     lib = _llama_lib()

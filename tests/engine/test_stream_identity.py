@@ -185,10 +185,10 @@ def test_three_tiers_on_the_rpc_device_equal_the_stock_split(rpc, tmp_path, slot
     assert stream_lookups == vram_misses
 
 
-def test_a_model_without_moe_layers_is_inert_with_one_info_line(tmp_path):
+def test_a_model_without_moe_layers_is_inert_with_one_warn_line(tmp_path):
     model = models.cached_model_path(models.ModelSpec(arch="qwen3", n_layer=2, n_embd=256, n_ff_exp=256))
     base = run(model, tmp_path, 1, [], "dense-base")
-    r = run(model, tmp_path, 1, ["--moe-stream-cache-mb", "8", "-v"], "dense")  # -v: INFO lines
+    r = run(model, tmp_path, 1, ["--moe-stream-cache-mb", "8"], "dense")  # the default verbosity shows it
     assert r.log.count("model has no MoE layers; --moe-stream-cache-mb is inert") == 1
     assert "moe-stream-preamble" not in r.log and r.logits == base.logits
 

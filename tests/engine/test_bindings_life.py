@@ -1,0 +1,270 @@
+"""pybmoe.Llama's life as llama_cpp.Llama users expect it: freed at `del`, quiet at verbose=False,
+errors a Python user can act on, and no hang when the RPC server goes away (docs/loopback.md)."""
+from __future__ import annotations
+
+import gc
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+import weakref
+from pathlib import Path
+
+import pytest
+
+from pybmoe import engine, models
+
+bindings = pytest.importorskip("pybmoe.engine.bindings", reason="the llama_cpp bindings are not installed")
+
+ROOT = Path(__file__).resolve().parents[2]
+#: the tiers each case runs with: (moe_expert_cache, moe_stream_cache_mb)
+TIERS = {"off": (0, 0), "cache": (8, 0), "both": (8, 4)}
+
+
+def _llama(model, endpoint, tiers="cache", **kw):
+    cache, stream = TIERS[tiers]
+    return bindings.Llama(model, n_gpu_layers=99, cpu_moe=True, repack=False, rpc_servers=endpoint,
+                          moe_expert_cache=cache, moe_stream_cache_mb=stream, n_ctx=256, verbose=False, **kw)
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.parametrize("tiers", ["off", "cache", "both"])
+def test_del_frees_the_llama_without_the_collector(model_q8, rpc, tiers):
+    """Before: a closure in the model class held the Llama, so `del` left it alive until gc.collect()."""
+    llm = _llama(model_q8, rpc.endpoint, tiers)
+    llm("Hi", max_tokens=2, temperature=0)
+    stats = [llm.moe_cache_stats()] if TIERS[tiers][0] else []
+    stats += [llm.moe_stream_stats()] if TIERS[tiers][1] else []
+    w = weakref.ref(llm)
+    gc.disable()
+    try:
+        del llm
+        assert w() is None
+    finally:
+        gc.enable()
+    assert all(s.hits + s.misses > 0 for s in stats)  # stats objects outlive it: they hold no reference
+
+
+def test_the_context_manager_and_close_free_at_once(model_q8, rpc):
+    with _llama(model_q8, rpc.endpoint) as llm:
+        assert llm("Hi", max_tokens=2, temperature=0)["choices"][0]["text"] is not None
+        assert llm.moe_cache_stats().n_slots == 8
+    assert llm not in bindings._live and llm._model.model is None  # the model was freed at the block's end
+    llm.close()  # a second close is harmless
+    w = weakref.ref(llm)
+    del llm
+    assert w() is None
+
+
+def test_the_rpc_servers_memory_comes_back_after_del(model_q8, tmp_path):
+    """The weights and slots on the device are freed at `del`, not at the next collection or exit."""
+    with engine.RpcServer(threads=1, log_dir=tmp_path) as srv:
+        time.sleep(0.3)
+        base = _rss_kib(srv.proc.pid)
+        llm = _llama(model_q8, srv.endpoint)
+        llm("Hi", max_tokens=2, temperature=0)
+        loaded = _rss_kib(srv.proc.pid)
+        assert loaded - base > 8 * 1024, (base, loaded)  # the model's weights live there
+        gc.disable()
+        try:
+            del llm
+            deadline = time.monotonic() + 10
+            while _rss_kib(srv.proc.pid) - base > (loaded - base) // 4 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            after = _rss_kib(srv.proc.pid)
+        finally:
+            gc.enable()
+        assert after - base <= (loaded - base) // 4, (base, loaded, after)
+
+
+def test_a_misspelt_tier_keyword_is_a_type_error_naming_the_closest(model_q8):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'moe_stream_cache'; did you mean "
+                                        r"'moe_stream_cache_mb'\?"):
+        bindings.Llama(model_q8, moe_stream_cache=64, verbose=False)
+    with pytest.raises(TypeError, match=r"'dense_weight'; did you mean 'dense_weights'\?"):
+        bindings.Llama(model_q8, dense_weight="anon", verbose=False)
+    with pytest.raises(TypeError, match=r"'moe_expert_cach'; did you mean 'moe_expert_cache'\?"):
+        bindings.Llama(model_q8, moe_expert_cach=8, verbose=False)
+
+
+def test_a_tier_that_does_not_engage_carries_the_engines_reason(model_q8):
+    """verbose=False: the message used to say "the engine's log says why", with no log to read."""
+    with pytest.raises(ValueError) as e:
+        bindings.Llama(model_q8, n_ctx=256, moe_stream_cache_mb=1, verbose=False)
+    msg = str(e.value)
+    assert "moe_stream_cache_mb=1 is under the mechanical minimum at n_ubatch=512; the engine said: " in msg
+    assert re.search(r"moe-stream: .*MiB", msg.split("the engine said: ", 1)[1]), msg
+
+
+def test_an_inert_tier_is_a_python_warning(rpc, tmp_path):
+    m = _dense_with_expert_count(tmp_path)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        llm = bindings.Llama(m, n_ctx=256, moe_stream_cache_mb=8, verbose=False)
+        llm.close()
+    msgs = [str(w.message) for w in got if issubclass(w.category, RuntimeWarning)]
+    assert "moe_stream_cache_mb=8 is inert: the model has no MoE layers" in msgs, msgs
+
+
+def _dense_with_expert_count(tmp_path: Path) -> Path:
+    """A dense qwen3 whose GGUF carries an expert count, as upstream's ernie4_5 and paddleocr do."""
+    from pybmoe.models import writer
+    dense = writer.ARCHES["qwen3"]
+
+    def kvs(spec, w):
+        dense.add_kvs(spec, w)
+        w.add_expert_count(8)
+        w.add_expert_used_count(2)
+
+    saved = writer.ARCHES["qwen3"]
+    writer.ARCHES["qwen3"] = writer.ArchDef("qwen3", dense.plan, kvs, moe=False)
+    try:
+        return models.make_model(tmp_path / "dense-e.gguf", arch="qwen3", n_layer=2)
+    finally:
+        writer.ARCHES["qwen3"] = saved
+
+
+def test_llama_server_shows_the_inert_line_at_its_default_verbosity(rpc, tmp_path):
+    """It was an INFO line, which llama-server does not show unless -v."""
+    m = _dense_with_expert_count(tmp_path)
+    srv = engine.LlamaServer(["-m", str(m), "--rpc", rpc.endpoint, "-ngl", "99", "--moe-expert-cache", "8",
+                              "-c", "256"])
+    with srv:
+        srv.completion("Hi", n_predict=2)
+    log = srv.stop()
+    assert log.count("model has no MoE layers; --moe-expert-cache is inert") == 1, log[-3000:]
+
+
+# --- child processes: what must never hang or abort the interpreter ---
+
+CHILD_HEAD = """
+import sys, time
+from pybmoe import engine, models
+from pybmoe.engine import bindings
+m = models.default_model_path("Q8_0")
+"""
+
+
+def _child(tmp_path: Path, body: str, timeout_s: float = 30) -> tuple[int, str, str]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD_HEAD + textwrap.dedent(body))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout_s, env=env,
+                       cwd=tmp_path)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_verbose_false_prints_nothing(tmp_path):
+    """Load with both tiers on the loopback device, generate, delete: not one line on stdout or stderr
+    (the cache's load line, preamble and summary used to print at any verbosity)."""
+    rc, out, err = _child(tmp_path, """
+        with engine.RpcServer(threads=1) as rpc:
+            llm = bindings.Llama(m, n_gpu_layers=99, cpu_moe=True, repack=False, rpc_servers=rpc.endpoint,
+                                 moe_expert_cache=8, moe_stream_cache_mb=4, n_ctx=256, verbose=False)
+            llm("Hello", max_tokens=8, temperature=0)
+            st = llm.moe_cache_stats()
+            assert st.hits + st.misses > 0
+            del llm
+    """)
+    assert rc == 0 and out == "" and err == "", (rc, out, err)
+
+
+def test_a_wrong_rpc_endpoint_is_a_value_error_naming_it(tmp_path):
+    """It used to abort the interpreter (exit 134) with an 86-line backtrace."""
+    port = engine.free_port()
+    rc, out, err = _child(tmp_path, f"""
+        try:
+            bindings.Llama(m, rpc_servers="127.0.0.1:{port}", moe_expert_cache=8, verbose=False)
+        except ValueError as e:
+            print(e)
+    """)
+    assert rc == 0, err[-3000:]
+    assert out.strip() == (f"rpc server 127.0.0.1:{port} is not reachable: nothing accepts connections there "
+                           "(start ggml-rpc-server on that host and port, or fix rpc_servers)")
+    assert err == ""
+
+
+LOST_LOAD = """
+cache, stream = {cache}, {stream}
+rpc = engine.RpcServer(threads=1).start()
+llm = bindings.Llama(m, n_gpu_layers=99, cpu_moe=True, repack=False, rpc_servers=rpc.endpoint,
+                     moe_expert_cache=cache, moe_stream_cache_mb=stream, n_ctx=256, verbose=False)
+llm("Hi", max_tokens=4, temperature=0)
+print("endpoint", rpc.endpoint, flush=True)
+"""
+LOST_CASES = {
+    # the server goes away, then: close(), then the script ends
+    "close": """
+        rpc.proc.kill(); rpc.proc.wait()
+        llm.close()
+        print("pybmoe-test: closed", file=sys.stderr)
+    """,
+    # the server goes away, then: del (the model is freed here), then the script ends
+    "del": """
+        rpc.proc.kill(); rpc.proc.wait()
+        del llm
+        print("pybmoe-test: deleted", file=sys.stderr)
+    """,
+    # the server goes away and the script ends with the Llama alive (freed at exit)
+    "exit": """
+        rpc.proc.kill(); rpc.proc.wait()
+        print("pybmoe-test: exiting", file=sys.stderr)
+    """,
+    # the server goes away between generations: the next one raises
+    "between": """
+        rpc.proc.kill(); rpc.proc.wait(); time.sleep(0.3)
+        try:
+            llm("Hello there", max_tokens=4, temperature=0)
+        except RuntimeError as e:
+            print(f"RuntimeError: {e}", file=sys.stderr)
+    """,
+    # the server goes away while tokens stream
+    "during": """
+        try:
+            for i, _ in enumerate(llm("Hello", max_tokens=200, temperature=0, stream=True)):
+                if i == 3:
+                    rpc.proc.kill()
+        except RuntimeError as e:
+            print(f"RuntimeError: {e}", file=sys.stderr)
+    """,
+}
+LAST_LINE = {"close": "pybmoe-test: closed", "del": "pybmoe-test: deleted", "exit": "pybmoe-test: exiting"}
+
+
+@pytest.mark.parametrize("tiers", ["off", "cache", "both"])
+@pytest.mark.parametrize("case", list(LOST_CASES))
+def test_a_lost_rpc_server_never_hangs(tmp_path, case, tiers):
+    """Before: with the server killed, `del` and the script's end waited for ever in
+    rpc_dispatcher::send (the cache's uploader too), and close() aborted. Each case now ends within
+    30 s with the documented status and last stderr line (docs/loopback.md)."""
+    cache, stream = TIERS[tiers]
+    t0 = time.monotonic()
+    rc, out, err = _child(tmp_path, LOST_LOAD.format(cache=cache, stream=stream) + textwrap.dedent(LOST_CASES[case]))
+    assert time.monotonic() - t0 < 30
+    endpoint = re.search(r"^endpoint (\S+)$", out, re.M).group(1)
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    why = f"rc={rc}\n{err[-3000:]}"
+    lost = f"ggml-rpc: RPC server {endpoint} is lost: its commands fail from now on"
+    if case == "exit":  # freed at exit, after the script's last line: the loss may be logged then
+        assert rc == 0 and last in (LAST_LINE[case], lost), why
+        return
+    if case in LAST_LINE:
+        assert rc == 0 and last == LAST_LINE[case], why
+        return
+    raised = f"RuntimeError: llama_decode returned -3; the engine said: ggml-rpc: RPC server {endpoint} is lost: "
+    if case == "between":
+        assert rc == 0 and last.startswith(raised), why
+        return
+    # during a generation: a step that had not computed yet raises; one whose read was in flight aborts
+    # with one line naming the server (no error path returns from a tensor read)
+    aborted = f"ggml-rpc: RPC server {endpoint} was lost during a read; aborting"
+    assert (rc == 0 and last.startswith(raised)) or (rc == -6 and last == aborted), why
