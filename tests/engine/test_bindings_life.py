@@ -268,3 +268,34 @@ def test_a_lost_rpc_server_never_hangs(tmp_path, case, tiers):
     # with one line naming the server (no error path returns from a tensor read)
     aborted = f"ggml-rpc: RPC server {endpoint} was lost during a read; aborting"
     assert (rc == 0 and last.startswith(raised)) or (rc == -6 and last == aborted), why
+
+
+def test_the_stats_carry_the_summary_lines_fields(tmp_path):
+    """verbose=False hides the engine's summary line, so the stats call must hold what it said: the
+    same figures, field by field, as the line a verbose run prints at close."""
+    rc, out, err = _child(tmp_path, """
+        import json
+        with engine.RpcServer(threads=1) as rpc:
+            llm = bindings.Llama(m, n_gpu_layers=99, cpu_moe=True, repack=False, rpc_servers=rpc.endpoint,
+                                 moe_expert_cache=8, n_ctx=256, verbose=True)
+            llm("Hello", max_tokens=12, temperature=0)
+            time.sleep(0.5)  # the last step's uploads land (they run behind decode)
+            s = llm.moe_cache_stats()
+            print(json.dumps(dict(s.__dict__, hit_rate=s.hit_rate, upload_gbps=s.upload_gbps)), flush=True)
+            llm.close()
+    """)
+    assert rc == 0, err[-3000:]
+    import json
+    st = json.loads(out.strip().splitlines()[-1])
+    line = engine.parse_cache_summaries(err)[-1]
+    assert st["hits"] + st["misses"] > 0 and st["uploads"] > 0
+    assert line.hit_pct == pytest.approx(100 * st["hit_rate"], abs=0.05)
+    assert line.resident_mib == pytest.approx(st["resident_mib"], abs=0.05)
+    assert (line.uploads, line.steps, line.h2d, line.publishes, line.waits, line.warmup_uploads) == \
+        (st["uploads"], st["steps"], st["h2d"], st["publishes"], st["waits"], st["warmup_uploads"])
+    assert line.upload_mib == pytest.approx(st["upload_mib"], abs=0.05)
+    assert line.layer_demand_mib == pytest.approx(st["layer_demand_mib"], abs=0.005) and st["layer_demand_mib"] > 0
+    assert line.token_demand_mib == pytest.approx(st["token_demand_mib"], abs=0.005) and st["token_demand_mib"] > 0
+    assert line.upload_gbps == pytest.approx(st["upload_gbps"], abs=0.005)
+    assert line.upload_file_mib == pytest.approx(st["upload_file_mib"], abs=0.05)
+    assert line.upload_wait_ms == pytest.approx(1000 * st["upload_wait_s"], abs=0.05)
