@@ -581,7 +581,17 @@ class Llama(llama_cpp.Llama):
         ValueError: a bad cache value or override, an unreachable RPC server, or a model that
             does not load (as ``llama_cpp.Llama``). A cache that was asked for but cannot engage
             raises too: with no device at all (no GPU build, no ``rpc_servers``) the message says
-            so; otherwise the engine's log says why.
+            so; otherwise it carries the engine's WARN/ERROR lines, whatever the verbosity. An
+            ``rpc_servers`` endpoint where nothing listens is a ValueError naming it.
+        TypeError: an unknown ``moe_*``/``dense_*`` keyword (or one close to a pybmoe keyword); the
+            message names the closest valid one.
+
+    Warns:
+        RuntimeWarning: a tier asked for on a model with no MoE layers (the flag is inert).
+
+    A Llama is freed when its last reference goes, at ``close()`` or at the end of a ``with`` block;
+    ``verbose=False`` prints no engine line but errors and the tiers' warnings (docs/loopback.md).
+    Generation after its RPC server went away raises RuntimeError naming the server.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, moe_expert_cache: int | str = 0,
