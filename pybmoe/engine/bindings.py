@@ -24,6 +24,7 @@ import inspect
 import itertools
 import logging
 import os
+import re
 import sys
 import threading
 import warnings
@@ -364,6 +365,11 @@ def add_rpc_server(endpoint: str) -> list[int]:
     base = _ggml("ggml-base")
     base.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
     base.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    # a generation on a lost server fails (llama_decode returns an error, a RuntimeError here) instead
+    # of aborting the interpreter, as a server process does (docs/loopback.md)
+    fail_on_loss = base.ggml_backend_reg_get_proc_address(rpc, b"ggml_backend_rpc_set_fail_on_loss")
+    if fail_on_loss:
+        ctypes.CFUNCTYPE(None, ctypes.c_bool)(fail_on_loss)(True)
     add = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(
         base.ggml_backend_reg_get_proc_address(rpc, b"ggml_backend_rpc_add_server"))
     reg = add(endpoint.encode())
@@ -436,6 +442,10 @@ GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 3, 4, 5
 _log_recent: collections.deque = collections.deque(maxlen=256)
 _log_seq = itertools.count(1)
 _log_state = {"last": GGML_LOG_LEVEL_NONE, "seq": 0}
+#: the RPC servers the engine has reported lost ("ggml-rpc: RPC server HOST:PORT is lost: ...")
+_lost_servers: set[str] = set()
+_LOST_RE = re.compile(r"ggml-rpc: RPC server (\S+) is lost")
+_TRANSPORT_RE = re.compile(r"^(send|recv) failed\b.*RPC server (\S+?)(?: closed the connection)?$")
 
 
 def _verbose() -> bool:
@@ -451,6 +461,9 @@ def _log_shown(level: int, text: str) -> bool:
     (level NONE, which llama_cpp would print at any verbosity)."""
     if _verbose():
         return True
+    late = _TRANSPORT_RE.match(text.strip())
+    if late and late.group(2) in _lost_servers:
+        return False  # a socket error on a server already reported lost (and raised) adds nothing
     return level == GGML_LOG_LEVEL_ERROR or (level == GGML_LOG_LEVEL_WARN and ("moe-" in text or "ggml-rpc" in text))
 
 
@@ -464,6 +477,9 @@ def _log_callback(level: int, text: bytes, user_data) -> None:
     n = next(_log_seq)
     _log_recent.append((n, level, line))
     _log_state["seq"] = n
+    lost = _LOST_RE.search(line)
+    if lost:
+        _lost_servers.add(lost.group(1))
     if _log_shown(level, line):
         print(line, end="", flush=True, file=sys.stderr)
 

@@ -270,6 +270,29 @@ def test_a_lost_rpc_server_never_hangs(tmp_path, case, tiers):
     assert (rc == 0 and last.startswith(raised)) or (rc == -6 and last == aborted), why
 
 
+def test_a_socket_error_after_the_loss_is_not_shown(tmp_path):
+    """Before: with the cache's uploader sending, a `send failed ... RPC server HOST:PORT` line could
+    come after the generation's RuntimeError and be the last stderr line. At verbose=False a transport
+    line about a server the engine has already reported lost is kept (an error's reason) but not shown;
+    one about another server, or before the loss, is shown."""
+    rc, out, err = _child(tmp_path, """
+        from llama_cpp import _logger
+        _logger.set_verbose(False)
+        log = lambda level, text: bindings._log_callback(level, text.encode(), None)
+        log(4, "send failed (bytes_sent=0, size_to_send=1): RPC server 10.0.0.1:9\\n")
+        log(4, "ggml-rpc: RPC server 10.0.0.1:9 is lost: its commands fail from now on\\n")
+        log(4, "send failed (bytes_sent=0, size_to_send=1): RPC server 10.0.0.1:9\\n")
+        log(4, "recv failed: RPC server 10.0.0.1:9 closed the connection\\n")
+        log(4, "recv failed (bytes_recv=0, size_to_recv=8): RPC server 10.0.0.2:9\\n")
+        print(bindings._log_reasons(0))
+    """)
+    assert rc == 0, err
+    assert err.splitlines() == ["send failed (bytes_sent=0, size_to_send=1): RPC server 10.0.0.1:9",
+                                "ggml-rpc: RPC server 10.0.0.1:9 is lost: its commands fail from now on",
+                                "recv failed (bytes_recv=0, size_to_recv=8): RPC server 10.0.0.2:9"]
+    assert "recv failed: RPC server 10.0.0.1:9 closed the connection" in out  # still a reason
+
+
 def test_the_stats_carry_the_summary_lines_fields(tmp_path):
     """verbose=False hides the engine's summary line, so the stats call must hold what it said: the
     same figures, field by field, as the line a verbose run prints at close."""
