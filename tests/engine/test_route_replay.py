@@ -118,3 +118,18 @@ def test_llama_bench_replays_too(model_q8, rpc, tmp_path):
     assert engine.parse_cache_summaries(r.stdout + r.stderr)
     r = subprocess.run([*cmd[:-1], str(tmp_path / "missing.csv")], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "cannot replay the routing trace" in r.stderr
+
+
+def test_llama_bench_names_why_a_trace_is_refused(model_q8, tmp_path):
+    """llama-bench silences the engine's log unless -v, so a refused trace printed only `cannot replay
+    the routing trace FILE`; it now names the line and the reason, as llama-server does."""
+    bad = tmp_path / "garbage.csv"
+    bad.write_text("workload,phase,ubatch,token,layer,rank,expert,hit\nnot,a,trace\n")
+    cmd = [str(engine.find_binary("llama-bench")), "-m", str(model_q8), "-p", "0", "-n", "1", "-r", "1", "-t", "2",
+           "--moe-route-replay", str(bad)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines[-2].startswith(f"llama_model_moe_route_replay_open: moe-route-replay: {bad}: line 2 is not a trace row ("), \
+        lines[-3:]
+    assert lines[-1].endswith(f"error: cannot replay the routing trace {bad}")
