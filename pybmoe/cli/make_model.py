@@ -1,5 +1,7 @@
 """``pybmoe make-model OUT``: a tiny deterministic real-architecture MoE GGUF (:mod:`pybmoe.models`);
-with ``--like NAME``, one of a published model's shape (:mod:`pybmoe.models.shapes`)."""
+with ``--like NAME``, one of a published model's shape (:mod:`pybmoe.models.shapes`), each field of which
+``--layers``, ``--experts``, ``--top-k``, ``--embd`` and ``--ff`` override; one parser, so ``--help``
+shows every option."""
 from __future__ import annotations
 
 import argparse
@@ -12,75 +14,78 @@ from .. import models
 from ..models import shapes
 
 
-def make_model_main(argv: Sequence[str] | None = None) -> int:
-    """``pybmoe make-model OUT [--arch NAME] [--ftype F16|Q8_0|Q4_K] [--layers N] [--experts N] [--top-k N]
-    [--embd N] [--ff N] [--seed N] [--vocab PATH]``; returns the exit status."""
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``pybmoe make-model`` (every option, with and without ``--like``)."""
     d = models.ModelSpec()
-    ap = argparse.ArgumentParser(prog="pybmoe make-model",
-                                 description="Write a tiny deterministic MoE GGUF model.")
-    ap.add_argument("out", type=Path, help="output .gguf path")
-    ap.add_argument("--arch", choices=sorted(models.ARCHES), default=d.arch,
-                    help="llama.cpp architecture (default %(default)s): " +
+    ap = argparse.ArgumentParser(
+        prog="pybmoe make-model",
+        description="Write a deterministic MoE GGUF with random weights and the pinned Qwen2 vocab: a tiny model "
+                    "of --arch (default shape below), or, with --like NAME, a qwen3moe model with the MoE shape "
+                    "of a published model (--list-presets), whose fields --layers, --experts, --top-k, --embd and "
+                    "--ff override. The size is printed first; --dry-run stops there.",
+        epilog="examples: pybmoe make-model tiny.gguf --experts 8 --top-k 2; "
+               "pybmoe make-model g.gguf --like granite-3.0-1b-a400m --experts 64; "
+               "pybmoe make-model q30.gguf --like qwen3-30b-a3b --dry-run")
+    ap.add_argument("out", type=Path, nargs="?", help="output .gguf path (required unless --list-presets)")
+    ap.add_argument("--like", choices=list(shapes.PRESETS), metavar="NAME",
+                    help="a published model's MoE shape: " + ", ".join(shapes.PRESETS) + " (written as qwen3moe)")
+    ap.add_argument("--list-presets", action="store_true", help="print the presets, their shapes and sources, and exit")
+    ap.add_argument("--dry-run", action="store_true", help="print the size and write nothing")
+    ap.add_argument("--arch", choices=sorted(models.ARCHES), default=None,
+                    help=f"llama.cpp architecture (default {d.arch}; --like writes qwen3moe only): " +
                     "; ".join(f"{a.name}: {a.doc}" for a in models.ARCHES.values()))
-    ap.add_argument("--ftype", choices=models.FTYPES, default=d.ftype, help="expert/attention weight type (default %(default)s)")
-    ap.add_argument("--layers", type=int, default=d.n_layer, help="blocks (default %(default)s)")
-    ap.add_argument("--experts", type=int, default=d.n_expert, help="experts per layer (default %(default)s)")
-    ap.add_argument("--top-k", type=int, default=d.n_expert_used, help="experts routed per token (default %(default)s)")
-    ap.add_argument("--embd", type=int, default=d.n_embd, help="embedding length (default %(default)s)")
-    ap.add_argument("--ff", type=int, default=d.n_ff_exp, help="expert feed-forward length (default %(default)s)")
+    ap.add_argument("--ftype", choices=models.FTYPES, default=d.ftype,
+                    help="expert/attention weight type (default %(default)s)")
+    for flag, field, what in (("--layers", "n_layer", "blocks"), ("--experts", "n_expert", "experts per layer"),
+                              ("--top-k", "n_expert_used", "experts routed per token"),
+                              ("--embd", "n_embd", "embedding length, elements"),
+                              ("--ff", "n_ff_exp", "expert feed-forward length, elements")):
+        ap.add_argument(flag, type=int, default=None,
+                        help=f"{what} (default {getattr(d, field)}; with --like: the preset's)")
     ap.add_argument("--seed", type=int, default=d.seed, help="RNG seed (default %(default)s)")
     ap.add_argument("--vocab", type=Path, default=None, help="GGUF vocab file (default: the pinned Qwen2 vocab)")
-    a = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    try:
-        spec = models.ModelSpec(arch=a.arch, ftype=a.ftype, seed=a.seed, n_layer=a.layers, n_expert=a.experts,
-                                n_expert_used=a.top_k, n_embd=a.embd, n_ff_exp=a.ff)
-        out = models.write_model(spec, a.out, vocab_path=a.vocab)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"pybmoe make-model: error: {e}", file=sys.stderr)
-        return 2
-    mib = out.stat().st_size / 2**20
-    print(f"{out}: {spec.name}, {mib:.1f} MiB, {models.expert_bytes(spec) / 2**20:.3f} MiB/expert, "
-          f"{time.perf_counter() - t0:.1f} s")
-    return 0
+    return ap
+
+
+def spec_of(a: argparse.Namespace) -> models.ModelSpec:
+    """The :class:`pybmoe.models.ModelSpec` a parsed command line asks for. Raises :class:`ValueError`
+    naming a field out of range, or ``--arch`` other than qwen3moe beside ``--like``."""
+    if a.like is not None:
+        if a.arch not in (None, "qwen3moe"):
+            raise ValueError(f"--like writes a qwen3moe model; --arch {a.arch} does not apply (drop one of them)")
+        return shapes.preset(a.like).spec(ftype=a.ftype, seed=a.seed, n_layer=a.layers, n_expert=a.experts,
+                                          top_k=a.top_k, n_embd=a.embd, n_ff_exp=a.ff)
+    given = {k: v for k, v in (("n_layer", a.layers), ("n_expert", a.experts), ("n_expert_used", a.top_k),
+                               ("n_embd", a.embd), ("n_ff_exp", a.ff)) if v is not None}
+    return models.ModelSpec(arch=a.arch or models.ModelSpec.arch, ftype=a.ftype, seed=a.seed, **given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``pybmoe make-model OUT --like NAME [--layers N] [--embd N] [--ff N] [--ftype Q8_0|Q4_K|F16]
-    [--seed S] [--dry-run]``; without ``--like`` it is :func:`make_model_main`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--like" or a.startswith("--like=") or a == "--list-presets" for a in argv):
-        return make_model_main(argv)
-    ap = argparse.ArgumentParser(prog="pybmoe make-model",
-                                 description="Write a qwen3moe GGUF with random weights and the MoE shape of a "
-                                             "published model.")
-    ap.add_argument("out", type=Path, nargs="?", help="output .gguf path")
-    ap.add_argument("--like", choices=list(shapes.PRESETS), help="shape preset")
-    ap.add_argument("--list-presets", action="store_true", help="print the presets and their sources")
-    ap.add_argument("--ftype", choices=models.FTYPES, default="Q8_0", help="expert/attention weight type "
-                                                                           "(default %(default)s)")
-    ap.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
-    ap.add_argument("--embd", type=int, default=None, help="hidden size (default: the preset's)")
-    ap.add_argument("--ff", type=int, default=None, help="expert FFN width (default: the preset's)")
-    ap.add_argument("--seed", type=int, default=0, help="RNG seed (default %(default)s)")
-    ap.add_argument("--vocab", type=Path, default=None, help="GGUF vocab file (default: the pinned Qwen2 vocab)")
-    ap.add_argument("--dry-run", action="store_true", help="print the size and write nothing")
-    a = ap.parse_args(argv)
+    """``pybmoe make-model OUT [--like NAME] [--arch NAME] [--ftype F16|Q8_0|Q4_K] [--layers N] [--experts N]
+    [--top-k N] [--embd N] [--ff N] [--seed N] [--vocab PATH] [--dry-run]``, or ``--list-presets``;
+    returns the exit status (2, with one line on stderr, for a shape out of range or a missing vocab)."""
+    ap = parser()
+    a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     if a.list_presets:
         for s in shapes.PRESETS.values():
             print(f"{s.name:22s} L{s.n_layer} E{s.n_expert} top-{s.top_k} D{s.n_embd} F{s.n_ff_exp} "
                   f"H{s.n_head}/{s.n_head_kv}x{s.head_dim} vocab {s.n_vocab}  {s.source}")
         return 0
-    if a.out is None or a.like is None:
-        ap.error("OUT and --like are required (or --list-presets)")
+    if a.out is None:
+        ap.error("OUT (the .gguf path to write) is required, unless --list-presets")
     try:
-        spec = shapes.preset(a.like).spec(ftype=a.ftype, seed=a.seed, n_layer=a.layers, n_embd=a.embd, n_ff_exp=a.ff)
-        total, experts = shapes.estimate_bytes(spec)
+        spec = spec_of(a)
+        if a.like is not None or a.dry_run:
+            n_vocab = None if a.vocab is None else len(next(
+                kv.value for kv in models.tokenizer_kvs(a.vocab) if kv.key == "tokenizer.ggml.tokens"))
+            total, experts = shapes.estimate_bytes(spec, n_vocab)
     except (ValueError, FileNotFoundError) as e:
         print(f"pybmoe make-model: error: {e}", file=sys.stderr)
         return 2
-    print(f"{a.out}: {spec.name} like {a.like} ({shapes.preset(a.like).source}): about {total / 2**30:.2f} GiB "
-          f"({experts / 2**30:.2f} GiB of experts, {models.expert_bytes(spec) / 2**20:.3f} MiB/expert)", flush=True)
+    if a.like is not None or a.dry_run:
+        like = f" like {a.like} ({shapes.preset(a.like).source})" if a.like else ""
+        print(f"{a.out}: {spec.name}{like}: about {total / 2**30:.2f} GiB ({experts / 2**30:.2f} GiB of experts, "
+              f"{models.expert_bytes(spec) / 2**20:.3f} MiB/expert)", flush=True)
     if a.dry_run:
         return 0
     t0 = time.perf_counter()
@@ -89,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"pybmoe make-model: error: {e}", file=sys.stderr)
         return 2
-    print(f"{out}: {out.stat().st_size / 2**20:.1f} MiB written in {time.perf_counter() - t0:.1f} s")
+    print(f"{out}: {spec.name}, {out.stat().st_size / 2**20:.1f} MiB, {models.expert_bytes(spec) / 2**20:.3f} "
+          f"MiB/expert, written in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

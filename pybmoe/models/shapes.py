@@ -54,14 +54,18 @@ class Shape:
     source: str
 
     def spec(self, *, ftype: str = "Q8_0", seed: int = 0, n_layer: int | None = None, n_embd: int | None = None,
-             n_ff_exp: int | None = None) -> models.ModelSpec:
-        """The :class:`pybmoe.models.ModelSpec` of this shape, with optional reductions.
+             n_ff_exp: int | None = None, n_expert: int | None = None, top_k: int | None = None) -> models.ModelSpec:
+        """The :class:`pybmoe.models.ModelSpec` of this shape; each field given (not None) overrides the
+        preset's (units as in the class docstring).
 
-        Raises :class:`ValueError` (from ``ModelSpec``) when ``ftype`` cannot store the rows.
+        Raises :class:`ValueError` (from ``ModelSpec``) for a field out of its range (e.g. a ``top_k``
+        above the experts) or when ``ftype`` cannot store the rows.
         """
-        return models.ModelSpec(n_layer=n_layer or self.n_layer, n_expert=self.n_expert,
-                                n_expert_used=self.top_k, n_embd=n_embd or self.n_embd,
-                                n_ff_exp=n_ff_exp or self.n_ff_exp, n_head=self.n_head,
+        def pick(v: int | None, preset: int) -> int:
+            return preset if v is None else v
+        return models.ModelSpec(n_layer=pick(n_layer, self.n_layer), n_expert=pick(n_expert, self.n_expert),
+                                n_expert_used=pick(top_k, self.top_k), n_embd=pick(n_embd, self.n_embd),
+                                n_ff_exp=pick(n_ff_exp, self.n_ff_exp), n_head=self.n_head,
                                 n_head_kv=self.n_head_kv, head_dim=self.head_dim, ftype=ftype, seed=seed)
 
 

@@ -51,3 +51,46 @@ def test_dry_run_and_unknown_preset(tmp_path, capsys):
     # without --like, make-model is the plain generator
     assert cli.main(["make-model", str(tmp_path / "d.gguf"), "--layers", "1", "--experts", "4", "--top-k", "2"]) == 0
     assert models.read_spec(tmp_path / "d.gguf").n_expert == 4
+
+
+def test_make_model_help_shows_every_option(capsys):
+    """Issue 26, finding 4: `pybmoe make-model --help` hid --like, --dry-run and --list-presets (they were
+    parsed only on a second path, after the first parser had printed its help)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["make-model", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--like", "--dry-run", "--list-presets", "--experts", "--top-k", "--arch", "--vocab"):
+        assert opt in out, opt
+    assert "granite-3.0-1b-a400m" in out
+
+
+def test_like_preset_fields_are_overridable(tmp_path, capsys):
+    """Issue 26, finding 4: with --like, `--experts 64` was an unrecognized argument. Every field of the
+    preset is overridable, in the size --dry-run prints and in the file written."""
+    assert cli.main(["make-model", str(tmp_path / "x.gguf"), "--like", "granite-3.0-1b-a400m", "--experts", "64",
+                     "--top-k", "4", "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    spec = shapes.preset("granite-3.0-1b-a400m").spec(n_expert=64, top_k=4)
+    total, experts = shapes.estimate_bytes(spec)
+    assert "-L24-E64-K4-D1024-F512-" in printed and f"({experts / 2**30:.2f} GiB of experts" in printed, printed
+    assert experts == 2 * shapes.estimate_bytes(shapes.preset("granite-3.0-1b-a400m").spec())[1]  # twice the experts
+    assert not (tmp_path / "x.gguf").exists()
+    out = tmp_path / "g.gguf"
+    assert cli.main(["make-model", str(out), "--like", "granite-3.0-1b-a400m", "--layers", "1", "--experts", "4",
+                     "--top-k", "2", "--embd", "64", "--ff", "64"]) == 0
+    s = models.read_spec(out)
+    assert (s.n_layer, s.n_expert, s.n_expert_used, s.n_embd) == (1, 4, 2, 64)
+    # an override out of range is refused with the field's name, and nothing is written
+    assert cli.main(["make-model", str(tmp_path / "bad.gguf"), "--like", "granite-3.0-1b-a400m", "--top-k", "40"]) == 2
+    assert "n_expert_used=40" in capsys.readouterr().err and not (tmp_path / "bad.gguf").exists()
+    assert cli.main(["make-model", str(tmp_path / "bad.gguf"), "--like", "granite-3.0-1b-a400m", "--arch", "gemma4"]) == 2
+    assert "--like writes a qwen3moe model" in capsys.readouterr().err
+
+
+def test_dry_run_without_a_preset_writes_nothing(tmp_path, capsys):
+    assert cli.main(["make-model", str(tmp_path / "t.gguf"), "--experts", "8", "--top-k", "2", "--dry-run"]) == 0
+    assert "-E8-K2-" in capsys.readouterr().out and not (tmp_path / "t.gguf").exists()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["make-model"])
+    assert e.value.code == 2 and "OUT (the .gguf path to write) is required" in capsys.readouterr().err
