@@ -68,7 +68,7 @@ def pytest_configure(config):
 # --------------------------------------------------------------------------- the slow marker
 # Tests of 3 s or more (all parametrizations together; measured on the 2-core project machine,
 # 2026-12-02, docs/build.md), marked `slow` here in one table rather than in each file, so that
-# `tools/test.sh -m "not slow"` (about 2 minutes) leaves them out; CI runs everything. A new test that
+# `tools/test.sh -m "not slow"` (about 5 minutes, docs/build.md) leaves them out; CI runs everything. A new test that
 # takes seconds joins this table; tests/test_readme.py checks that every name here exists.
 SLOW: dict[str, str | set[str]] = {
     "tests/bench/test_bench.py": {  # the two module fixtures' sweeps: 8 s each, paid by the first test using one
@@ -188,6 +188,9 @@ SLOW: dict[str, str | set[str]] = {
     },
     "tests/test_cli.py": {
         "test_serve_runs_llama_server_inside_the_memory_limit",  # 4 s
+    },
+    "tests/test_docs_commands.py": {
+        "test_each_big_docs_command_writes_its_model_as_written",  # GiB-sized models and the 4 GiB probe: 5-60 s each
     },
     "tests/test_readme.py": {
         "test_the_test_commands_show_progress_by_file_and_have_a_fast_subset",  # 8 s

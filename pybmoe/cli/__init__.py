@@ -50,7 +50,8 @@ def usage() -> str:
              "verbs:"]
     lines += [f"  {verb:<{width}}{text}" for verb, text in VERBS.items()]
     lines += ["", "The patched binaries also run under their upstream names: llama-server, llama-cli, llama-bench,",
-              "test-backend-ops, ggml-rpc-server."]
+              "test-backend-ops, ggml-rpc-server; and pybmoe's own tools under theirs: pybmoe-make-synth,",
+              "pybmoe-bw, pybmoe-logits (pybmoe bin: where each one is)."]
     return "\n".join(lines)
 
 

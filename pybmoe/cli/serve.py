@@ -1,6 +1,7 @@
 """``pybmoe serve`` and ``pybmoe bin``, and the console entry points ``llama-server``, ``llama-cli``,
 ``llama-bench``, ``test-backend-ops`` and ``ggml-rpc-server`` (``pyproject.toml``): each execs the
-patched binary (:func:`pybmoe.engine.find_binary`) with its arguments passed through. ``pybmoe
+patched binary (:func:`pybmoe.engine.find_binary`) with its arguments passed through (pybmoe's own
+tools, ``pybmoe-make-synth``, ``pybmoe-bw`` and ``pybmoe-logits``: :mod:`.tools`). ``pybmoe
 serve`` first waits for the ``--rpc`` devices to accept connections; the upstream names do not."""
 from __future__ import annotations
 
@@ -124,11 +125,30 @@ def serve_main(argv: list[str]) -> int:
     return 0  # pragma: no cover
 
 
+def bin_usage() -> str:
+    """The text of ``pybmoe bin --help``."""
+    return ("usage: pybmoe bin [NAME...]\n\n"
+            "Print where the patched binaries are: one line per NAME (default: every one), the name, a tab and its\n"
+            "path; exit 2 when one is not there (its line, on stderr, says where it was looked for).\n\n"
+            f"NAME: one of {', '.join(engine.BINARIES)}\n"
+            "searched, in order: $PYBMOE_BIN_DIR, the installed package's pybmoe/bin, the checkout's build/dev/bin")
+
+
 def bin_main(argv: list[str]) -> int:
-    """``pybmoe bin [NAME...]``: where the patched binaries are."""
+    """``pybmoe bin [NAME...]``: where the patched binaries are. Returns 0, or 2 when one is missing
+    or a NAME is not one of :data:`pybmoe.engine.BINARIES` (one line on stderr each); ``--help``
+    prints :func:`bin_usage` and returns 0."""
+    if {"-h", "--help"} & set(argv):
+        print(bin_usage())
+        return 0
     names = argv or list(engine.BINARIES)
     rc = 0
     for n in names:
+        if n not in engine.BINARIES:
+            print(f"pybmoe bin: error: {n!r} is not one of pybmoe's binaries; accepted: {', '.join(engine.BINARIES)}",
+                  file=sys.stderr)
+            rc = 2
+            continue
         try:
             print(f"{n}\t{engine.find_binary(n)}")
         except engine.EngineError as e:
@@ -137,15 +157,18 @@ def bin_main(argv: list[str]) -> int:
     return rc
 
 
-def _exec(name: str) -> None:
+def _exec(name: str, args: list[str] | None = None) -> None:
+    """Exec the patched binary ``name`` with ``args`` (default: this process's arguments); exits 127
+    with one line when it is not installed."""
+    args = sys.argv[1:] if args is None else args
     try:
         exe = engine.find_binary(name)
     except engine.EngineError as e:
         print(f"{name}: {e}", file=sys.stderr)
         sys.exit(127)
     if os.name == "nt":  # pragma: no cover
-        sys.exit(subprocess.call([str(exe), *sys.argv[1:]]))
-    os.execv(str(exe), [name, *sys.argv[1:]])  # argv[0] is the upstream name, as in usage lines
+        sys.exit(subprocess.call([str(exe), *args]))
+    os.execv(str(exe), [name, *args])  # argv[0] is the upstream name, as in usage lines
 
 
 def exec_llama_server() -> None:

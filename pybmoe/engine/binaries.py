@@ -20,8 +20,10 @@ from pathlib import Path
 
 from ..build import vendor
 
+#: Every binary ``pip install .`` ships in ``pybmoe/bin/``: the upstream tools, pybmoe's own tools (the logits
+#: oracle, the big-model writer, the bandwidth probe) and the two engine test programs.
 BINARIES = ("llama-server", "llama-cli", "llama-bench", "test-backend-ops", "ggml-rpc-server", "pybmoe-logits",
-            "pybmoe-test-skip", "pybmoe-test-residency")
+            "pybmoe-make-synth", "pybmoe-bw", "pybmoe-test-skip", "pybmoe-test-residency")
 
 #: The ``pybmoe`` package folder (``pybmoe/engine/..``).
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
