@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -132,3 +133,87 @@ def test_serve_runs_llama_server_inside_the_memory_limit():
         rc = p.wait(timeout=30)
     assert rc in (0, 128 + signal.SIGTERM, -signal.SIGTERM) and "under a 1500 MiB memory limit" in p.stderr.read()
     assert not folder.exists()
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--disk-limit-mb", "-5"], "--disk-limit-mb -5: accepted: an integer >= 16 (MiB)"),
+    (["--slots", "-1"], "--slots -1: accepted: an integer >= 0"),
+    (["--inserts", "-2"], "--inserts -2: accepted: an integer >= 0"),
+    (["-n", "1"], "-n/--n-predict 1: accepted: an integer >= 2"),
+    (["-p", ""], "-p/--prompt is empty"),
+    (["-m", "nothing.gguf"], "-m/--model nothing.gguf: no such file"),
+    (["--route-replay", "nothing.csv"], "--route-replay nothing.csv: no such file"),
+])
+def test_demo_checks_every_argument_before_any_work(args, says, tmp_path):
+    """Issue 26, finding 6: `pybmoe demo --disk-limit-mb -5` ran the whole first part (a model generated,
+    an RPC server and two llama-servers started, 5.7 s) before it refused the limit. Every argument is
+    checked first: one line on stderr, exit 2, nothing of part one printed, no model written."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYBMOE_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "demo", *args], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout == "", r.stdout  # no "device: ..." line: part one never started
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pybmoe demo: error: {says}"), r.stderr
+    assert not (tmp_path / "cache").exists()
+
+
+def test_demo_refuses_a_model_that_is_not_a_moe_gguf(tmp_path, capsys):
+    from pybmoe.cli import demo as demo_cli
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf at all")
+    assert demo_cli.main(["-m", str(tmp_path / "x.gguf")]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "is not a GGUF file" in cap.err
+
+
+def test_bin_help_prints_a_help_and_exits_zero(capsys):
+    """Issue 26, finding 7: `pybmoe bin --help` printed `--help (missing: --help not found in ...` and exited 2."""
+    assert cli.main(["bin", "--help"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith("usage: pybmoe bin [NAME...]\n") and cap.out.endswith("\n") and cap.err == ""
+    for name in engine.BINARIES:
+        assert name in cap.out
+    assert cli.main(["bin", "frobnicate"]) == 2
+    assert "'frobnicate' is not one of pybmoe's binaries; accepted: llama-server" in capsys.readouterr().err
+
+
+def test_bin_lists_the_tools_the_readme_names(capsys):
+    """Issue 26, finding 1: `pybmoe bin` did not list pybmoe-make-synth or pybmoe-bw."""
+    rc = cli.main(["bin"])
+    cap = capsys.readouterr()
+    listed = {ln.split("\t")[0] for ln in (cap.out + cap.err).splitlines()}
+    assert {"pybmoe-make-synth", "pybmoe-bw", "pybmoe-logits"} <= listed
+    assert rc == 0, cap.err  # every one found in an installed pybmoe
+
+
+def _cut(src: Path, dst: Path, n: int) -> Path:
+    with open(src, "rb") as f:
+        dst.write_bytes(f.read(n))
+    return dst
+
+
+def test_size_refuses_a_truncated_model(model_q8, tmp_path, capsys):
+    """Issue 26, finding 7: `pybmoe size -m <truncated.gguf>` exited 0 with a recommendation; llama.cpp
+    refuses the file at load. A copy cut in its tensor data, or in its header, is refused: exit 2, one line."""
+    full = model_q8.stat().st_size
+    half = _cut(model_q8, tmp_path / "half.gguf", full // 2)
+    assert size.main(["-m", str(half)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "recommended" not in cap.err
+    assert cap.err.startswith(f"pybmoe size: error: {half} is truncated: the data of tensor '"), cap.err
+    assert f"past the end of the file ({full // 2} bytes" in cap.err
+    head = _cut(model_q8, tmp_path / "head.gguf", 4096)  # inside the vocab's strings
+    assert size.main(["-m", str(head)]) == 2
+    cap = capsys.readouterr()
+    assert "the GGUF header is cut off" in cap.err and "Traceback" not in cap.err and cap.out == ""
+    last = _cut(model_q8, tmp_path / "last.gguf", full - 1)  # one byte short
+    assert size.main(["-m", str(last)]) == 2
+    err = capsys.readouterr().err
+    assert "1 missing" in err
+    # the oracle: the engine refuses the same file, naming the same tensor
+    r = subprocess.run([str(engine.find_binary("pybmoe-logits")), "-m", str(last), "-p", "Hi", "-n", "1",
+                        "--logits-out", str(tmp_path / "l.bin")], capture_output=True, text=True, timeout=60)
+    named = re.search(r"tensor '([^']+)' data is not within the file bounds", r.stdout + r.stderr)
+    assert r.returncode != 0 and named, r.stderr[-2000:]
+    assert f"the data of tensor '{named.group(1)}' ends at byte {full}," in err, err
+    assert size.main(["-m", str(model_q8)]) == 0  # the whole file still sizes

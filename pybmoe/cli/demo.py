@@ -32,6 +32,32 @@ def run_demo(model: Path | None = None, slots: int | None = None, inserts: int =
     return demo.run_demo(model, slots, inserts, prompt, n_predict, out, route_replay=route_replay)
 
 
+def check_args(a: argparse.Namespace) -> None:
+    """Every argument of ``pybmoe demo``, checked before any work (no model is generated, no server
+    started): slots and inserts >= 0, at least 2 tokens, a non-empty prompt, a disk-tier limit of
+    at least 16 MiB, a ``--model`` that is a MoE GGUF, a ``--route-replay`` that is ``granite`` or a file.
+
+    Raises:
+        ValueError: a value out of its range, or a model that is not a MoE GGUF (the message names the
+            option and what it accepts).
+        FileNotFoundError: a ``--model`` or ``--route-replay`` file that is not there.
+    """
+    from .. import models
+    for flag, v, lo, unit in (("--slots", a.slots, 0, "slots per layer"), ("--inserts", a.inserts, 0, "uploads"),
+                              ("-n/--n-predict", a.n_predict, 2, "tokens"),
+                              ("--disk-limit-mb", a.disk_limit_mb, 16, "MiB")):
+        if v is not None and v < lo:
+            raise ValueError(f"{flag} {v}: accepted: an integer >= {lo} ({unit})")
+    if not a.prompt:
+        raise ValueError("-p/--prompt is empty: accepted: a text of at least one character")
+    if a.model is not None:
+        if not a.model.is_file():
+            raise FileNotFoundError(f"-m/--model {a.model}: no such file")
+        models.read_spec(a.model)  # a MoE GGUF (the header only); ValueError otherwise
+    if a.route_replay not in (None, "granite") and not Path(a.route_replay).is_file():
+        raise FileNotFoundError(f"--route-replay {a.route_replay}: no such file; accepted: granite, or a --moe-trace CSV")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pybmoe demo", description=demo.__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", type=Path, help="GGUF (default: the embedded tiny qwen3moe)")
@@ -49,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"the second part's memory limit, MiB (default {demo.STREAM_DEMO_LIMIT_MIB})")
     a = ap.parse_args(argv)
     try:
+        check_args(a)
         off, on = run_demo(a.model, a.slots, a.inserts, a.prompt, a.n_predict, route_replay=a.route_replay)
         same = off.text == on.text
         if not a.no_disk_tier:

@@ -598,12 +598,17 @@ def gguf_expert_bytes(model: str | os.PathLike) -> tuple[float, int, int, int]:
     Bytes are the ``*_exps.weight`` tensors of all MoE layers (up + gate + down, or the fused
     gate_up), divided by ``n_moe_layers * n_expert`` (the mean when layers differ in type). A split
     GGUF is given by its first file; every shard is read.
-    Raises :class:`BudgetError` for a model without expert tensors.
+    Raises :class:`BudgetError` for a model without expert tensors, :class:`ValueError` for a file
+    that is not GGUF or is truncated (tensor data past its end, which llama.cpp refuses to load).
     """
     import gguf
     from .. import models
     meta = models.read_metadata(model)
-    tensors = [t for f in models.split_files(model) for t in (meta if f == Path(model) else models.read_metadata(f)).tensors]
+    tensors = []
+    for f in models.split_files(model):
+        m = meta if f == Path(model) else models.read_metadata(f)
+        models.check_complete(f, m)
+        tensors += m.tensors
     total, layers, n_expert = 0, set(), None
     for t in tensors:
         if not (t.name.startswith("blk.") and t.name.endswith("_exps.weight")) or len(t.shape) != 3:

@@ -50,7 +50,9 @@ class ModelShape:
 
 
 def model_shape(model: str | os.PathLike) -> ModelShape:
-    """The :class:`ModelShape` of a GGUF (header only). Raises :class:`SizingError` for a non-MoE file."""
+    """The :class:`ModelShape` of a GGUF (its header, and the file's size against its tensors). Raises
+    :class:`SizingError` for a non-MoE file, :class:`ValueError` for a file that is not GGUF or is
+    truncated (as llama.cpp refuses it at load)."""
     try:
         eb, n_layer, n_expert, k = sim.gguf_expert_bytes(model)
     except sim.BudgetError as e:
