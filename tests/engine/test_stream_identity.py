@@ -113,6 +113,15 @@ def test_a_budget_over_the_experts_is_clamped_and_auto_sizes(tmp_path):
     assert "budget_mb=4.98" in auto.log and auto.logits == base.logits
 
 
+def test_the_repack_line_is_said_once(tmp_path):
+    """The tier turns CPU repack off; --fit (on by default) converts the params a second time (the
+    draft model's too), which printed the line twice."""
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    r = engine.run_logits(model, tmp_path / "l.bin", ["-b", "512", "-ub", "1", "-ngl", "0", "-v",
+                                                       "--moe-stream-cache-mb", "4"], prompt="hi", n_predict=1, ctx=512)
+    assert r.log.count("moe-stream: CPU repack is off (as with --no-repack)") == 1, r.log[-3000:]
+
+
 def test_o_direct_refused_falls_back_to_buffered_reads_with_one_warn(tmp_path):
     import os
     model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
