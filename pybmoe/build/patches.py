@@ -12,7 +12,8 @@ Workflow::
     pybmoe patches export          # rewrite patches/ from those commits
     pybmoe patches check           # the series applies cleanly to a fresh pin
 
-    pybmoe patches rebase --onto 0.3.40    # replay the series onto another llama-cpp-python sdist
+    pybmoe patches rebase --onto 0.3.40    # replay the series onto another llama.cpp tree (a
+                                           # version, a tarball, a directory, DIR --ref REF)
     (on a conflict: resolve in vendor/rebase/<sdist>/, git am --continue, then)
     pybmoe patches rebase --continue vendor/rebase/<sdist>
     pybmoe patches export --from vendor/rebase/<sdist>
@@ -26,7 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from . import vendor
+from . import trees, vendor
 
 
 def list_series(root: Path | None = None) -> list[tuple[str, str]]:
@@ -183,17 +184,19 @@ def check(root: Path | None = None, log=print) -> bool:
 
 # ------------------------------------------------------------------------------------- rebase
 
-_VERSION = re.compile(r"^[0-9]+(\.[0-9]+)*([._+-]?[A-Za-z0-9]+)*$")
 _STATE = "pybmoe-rebase.json"
 
 
 @dataclasses.dataclass
 class RebaseResult:
-    """The outcome of :func:`rebase`: ``tree`` is the work tree, ``results`` one row per patch."""
+    """The outcome of :func:`rebase`: ``tree`` is the work tree, ``results`` one row per patch;
+    ``source`` says where the base came from (:meth:`pybmoe.build.trees.Source.describe`),
+    ``digest`` is its digest (``sha256:<hex>`` of a tarball, ``files-sha256:<hex>`` of a
+    directory or a git ref, see :mod:`pybmoe.build.trees`)."""
 
     tree: Path
-    sdist: Path
-    sha256: str
+    source: str
+    digest: str
     results: list[PatchResult]
 
     @property
@@ -202,31 +205,14 @@ class RebaseResult:
         return all(r.status in (CLEAN, FUZZY) for r in self.results)
 
 
-def resolve_onto(onto: str, root: Path | None = None) -> Path:
-    """The sdist named by ``onto``: a path to a local ``.tar.gz``, or a ``llama-cpp-python``
-    version fetched by name with pip into :func:`pybmoe.build.vendor.cache_dir` (the pinned version is
-    verified against the pin; any other is not pinned, so nothing is checked).
+def resolve_onto(onto: str, root: Path | None = None, ref: str | None = None) -> trees.Source:
+    """The llama.cpp tree named by ``onto`` (and ``ref``): see :func:`pybmoe.build.trees.resolve`.
 
     Raises:
-        ValueError: ``onto`` is neither an existing ``.tar.gz`` file nor a version string.
-        VendorError: the download failed.
+        ValueError: (:class:`~pybmoe.build.trees.SourceError`) bad ``onto`` or ``ref``.
+        VendorError: a version's download failed.
     """
-    p = Path(onto).expanduser()
-    if onto.endswith(".tar.gz"):
-        if not p.is_file():
-            raise ValueError(f"--onto {onto}: no such sdist file")
-        return p
-    if not _VERSION.match(onto):
-        raise ValueError(f"--onto {onto!r} is neither a .tar.gz sdist nor a version like 0.3.36")
-    root = root or vendor.project_root()
-    pin = vendor.load_pin(root)
-    if onto == pin.version:
-        return vendor.fetch_sdist(pin, vendor.cache_dir())
-    cache = vendor.cache_dir()
-    cached = sorted(cache.glob(f"{pin.name.replace('-', '_')}-{onto}.tar.gz"))
-    if cached:
-        return cached[0]
-    return vendor.download_sdist(pin.name, onto, cache)
+    return trees.resolve(onto, ref, root)
 
 
 def _old_series_into(root: Path, tree: Path) -> None:
@@ -244,52 +230,73 @@ def _old_series_into(root: Path, tree: Path) -> None:
         vendor._git(tree, "fetch", "-q", "--no-tags", str(old), "+HEAD:refs/pybmoe/pinned")
 
 
-def _replay(tree: Path, state: dict, log) -> list[PatchResult]:
+def _replay(tree: Path, state: dict, log, keep_going: bool = False) -> list[PatchResult]:
     results = [PatchResult(**r) for r in state["done"]]
     for i in range(len(results), len(state["patches"])):
         p = Path(state["patches"][i])
         res = apply_one(tree, p, three_way=True)
+        if res.status == CONFLICTED and keep_going:
+            vendor._git(tree, "am", "--abort", check=False)
+            res = PatchResult(res.patch, res.status, res.detail + " (skipped: the rest is replayed without it)")
         results.append(res)
         state["done"] = [dataclasses.asdict(r) for r in results]
         (tree / ".git" / _STATE).write_text(json.dumps(state, indent=1))
-        if res.status == CONFLICTED:
+        if res.status == CONFLICTED and not keep_going:
             break
     return results + [PatchResult(Path(n).name, NOT_REACHED) for n in state["patches"][len(results):]]
 
 
-def rebase(onto: str, root: Path | None = None, *, force: bool = False, log=print) -> RebaseResult:
-    """Replay ``patches/series`` onto another ``llama-cpp-python`` sdist with 3-way merges.
+def rebase(onto: str, root: Path | None = None, *, ref: str | None = None, force: bool = False,
+           dry_run: bool = False, log=print) -> RebaseResult:
+    """Replay ``patches/series`` onto another llama.cpp tree with 3-way merges.
 
-    ``onto`` is a version (fetched by name, see :func:`resolve_onto`) or a local ``.tar.gz``.
-    The sdist is unpacked into ``vendor/rebase/<sdist stem>/`` (git-ignored; ``vendor/src`` is
-    not touched) and committed as its base (tag ``pybmoe-base``); the pinned base with the series
-    is fetched into it as ``refs/pybmoe/pinned`` so ``git am -3`` has the ancestors; then each patch
-    is applied with ``git am -3``, one at a time. On the first conflict the tree is left in the
-    ``git am`` state; :func:`rebase_continue` resumes after a hand resolution.
+    ``onto`` (and ``ref``) name the tree: a directory, a git checkout at ``ref``, a tarball
+    holding llama.cpp at any depth, or a ``llama-cpp-python`` version (see
+    :mod:`pybmoe.build.trees`); every check of them runs before any work. The tree is laid out in
+    ``vendor/rebase/<name>/`` (git-ignored; ``vendor/src`` is not touched) with llama.cpp at the
+    pin's ``subdir``, and committed as its base (tag ``pybmoe-base``; the message records the
+    source and its digest). The pinned base with the series is fetched into it as
+    ``refs/pybmoe/pinned`` so ``git am -3`` has the ancestors; then each patch is applied with
+    ``git am -3``, one at a time. On the first conflict the tree is left in the ``git am`` state;
+    :func:`rebase_continue` resumes after a hand resolution.
+
+    ``dry_run``: the work tree is a temporary one, removed at the end, and a conflicted patch is
+    skipped (reported, then the rest is replayed without it), so the table covers every patch.
 
     Raises:
-        ValueError: bad ``onto``.
-        VendorError: the sdist cannot be fetched, or the work tree already exists (``force``
-            discards it).
+        ValueError: (:class:`~pybmoe.build.trees.SourceError`) bad ``onto`` or ``ref``.
+        VendorError: a version's sdist cannot be fetched, or the work tree already exists
+            (``force`` discards it).
     """
     root = root or vendor.project_root()
-    sdist = resolve_onto(onto, root)
-    digest = vendor.sha256_file(sdist)
-    log(f"pybmoe patches rebase: {sdist.name} sha256 {digest}")
-    stem = sdist.name[: -len(".tar.gz")]
-    tree = root / "vendor" / "rebase" / stem
-    if tree.exists():
-        if not force:
-            raise vendor.VendorError(f"{tree} exists (an earlier rebase, perhaps mid-resolution); "
-                                     "finish it with --continue, or pass --force to start over")
-        shutil.rmtree(tree)
-    log(f"pybmoe patches rebase: unpacking into {tree}")
-    vendor.unpack(sdist, tree)
-    _old_series_into(root, tree)
-    state = {"sdist": str(sdist), "sha256": digest, "done": [],
-             "patches": [str(p) for p in vendor.series(root)]}
-    (tree / ".git" / _STATE).write_text(json.dumps(state, indent=1))
-    return RebaseResult(tree, sdist, digest, _replay(tree, state, log))
+    pin = vendor.load_pin(root)
+    src = trees.resolve(onto, ref, root)
+    if dry_run:
+        tmp = tempfile.TemporaryDirectory(prefix="pybmoe-rebase-")
+        tree = Path(tmp.name) / src.name
+    else:
+        tmp = None
+        tree = root / "vendor" / "rebase" / src.name
+        if tree.exists():
+            if not force:
+                raise vendor.VendorError(f"{tree} exists (an earlier rebase, perhaps mid-resolution); "
+                                         "finish it with --continue, or pass --force to start over")
+            shutil.rmtree(tree)
+    try:
+        if src.digest:
+            log(f"pybmoe patches rebase: {src.path.name} {src.digest.replace(':', ' ', 1)}")
+        log(f"pybmoe patches rebase: {src.describe()}; laying it out in {tree}")
+        src = trees.materialise(src, tree, pin.subdir)
+        if src.kind != "tarball":
+            log(f"pybmoe patches rebase: {src.path.name} {src.digest.replace(':', ' ', 1)}")
+        _old_series_into(root, tree)
+        state = {"source": src.describe(), "digest": src.digest, "done": [],
+                 "patches": [str(p) for p in vendor.series(root)]}
+        (tree / ".git" / _STATE).write_text(json.dumps(state, indent=1))
+        return RebaseResult(tree, src.describe(), src.digest, _replay(tree, state, log, keep_going=dry_run))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
 
 
 def rebase_continue(tree: Path, *, log=print) -> RebaseResult:
@@ -323,4 +330,6 @@ def rebase_continue(tree: Path, *, log=print) -> RebaseResult:
         sf.write_text(json.dumps(state, indent=1))
     elif _am_in_progress(tree):
         raise vendor.VendorError(f"{tree} is in a `git am` that pybmoe did not start; finish it by hand")
-    return RebaseResult(tree, Path(state["sdist"]), state["sha256"], _replay(tree, state, log))
+    source = state.get("source") or state.get("sdist", "?")
+    digest = state.get("digest") or "sha256:" + state.get("sha256", "?")
+    return RebaseResult(tree, source, digest, _replay(tree, state, log))

@@ -257,16 +257,28 @@ def unpack(sdist: Path, dst: Path) -> None:
             tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)
         (top,) = list(Path(tmp).iterdir())
         shutil.move(str(top), dst)
-    # the sdist carries llama-cpp-python's own .git; the base must be the sdist content alone
-    # (and vendor/llama.cpp/.git, a submodule link that points into it)
+    commit_base(dst, f"upstream {dst.name}")
+
+
+def commit_base(dst: Path, message: str) -> None:
+    """Make the folder ``dst`` a git repository whose one commit (message ``message``, tag
+    ``pybmoe-base``) holds every file in it.
+
+    Any ``.git`` inside is removed first: an sdist carries llama-cpp-python's own, and
+    ``vendor/llama.cpp/.git`` is a submodule link that points into it; the base must be the
+    content alone. Ignore files are not honoured (upstream's would hide vendored sources).
+
+    Raises:
+        VendorError: a git command failed.
+    """
     for g in sorted(dst.rglob(".git"), key=lambda p: len(p.parts)):
-        if g.exists():
-            shutil.rmtree(g) if g.is_dir() else g.unlink()
+        if g.exists() or g.is_symlink():
+            shutil.rmtree(g) if g.is_dir() and not g.is_symlink() else g.unlink()
     _git(dst, "init", "-q", "-b", "pybmoe")
     # upstream ships .gitignore files that would hide vendored sources (e.g. models/*.gguf)
     (dst / ".git" / "info" / "exclude").write_text("")
     _git(dst, "add", "-A", "-f", ".")
-    _git(dst, "commit", "-q", "-m", f"upstream {dst.name}")
+    _git(dst, "commit", "-q", "-m", message)
     _git(dst, "tag", BASE_TAG)
 
 

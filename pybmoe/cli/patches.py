@@ -9,9 +9,9 @@ from pathlib import Path
 from ..build import patches, vendor
 
 
-def _report_rebase(res: patches.RebaseResult, root: Path, log=print) -> None:
+def _report_rebase(res: patches.RebaseResult, root: Path, dry: bool = False, log=print) -> None:
     log(patches.format_table(res.results))
-    bad = next((r for r in res.results if r.status == patches.CONFLICTED), None)
+    bad = None if dry else next((r for r in res.results if r.status == patches.CONFLICTED), None)
     try:
         rel = res.tree.relative_to(Path.cwd())
     except ValueError:
@@ -26,10 +26,14 @@ def _report_rebase(res: patches.RebaseResult, root: Path, log=print) -> None:
             f"  pybmoe patches rebase --continue {rel}   # replays the remaining patches\n"
             f"  pybmoe patches export --from {rel}       # when every patch is in\n"
             f"(or give up: git -C {res.tree} am --abort)")
+    elif dry:
+        n = sum(r.status in (patches.CLEAN, patches.FUZZY) for r in res.results)
+        log(f"\n{n} of {len(res.results)} patch(es) apply onto {res.source} ({res.digest}); "
+            "dry run: nothing kept")
     else:
-        log(f"\nall {len(res.results)} patch(es) replayed onto {res.sdist.name} in {rel}.\n"
-            f"To adopt it: pybmoe patches export --from {rel}, then set version, filename, sha256 "
-            f"({res.sha256}) and the llama.cpp commit in vendor/upstream.toml; see docs/rebasing.md.")
+        log(f"\nall {len(res.results)} patch(es) replayed onto {res.source} in {rel}.\n"
+            f"To adopt it: pybmoe patches export --from {rel}, then name the source and its digest "
+            f"({res.digest}) and the llama.cpp commit in vendor/upstream.toml; see docs/rebasing.md.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,14 +44,22 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("export", help="rewrite patches/ from a work tree's commits")
     ex.add_argument("--from", dest="tree", type=Path, default=None,
                     help="the work tree (default: the pinned tree under vendor/src/)")
-    rb = sub.add_parser("rebase", help="replay the series onto another llama-cpp-python sdist (3-way); "
-                        "exit 0 when no patch conflicts")
+    rb = sub.add_parser("rebase", help="replay the series onto another llama.cpp tree (3-way); "
+                        "exit 0 when no patch conflicts, 1 on a conflict, 2 on bad input",
+                        description="TREE is, in this order: an existing directory holding llama.cpp "
+                        "at any depth (with --ref, the files of that git commit instead), an existing "
+                        "tarball holding it at any depth (a llama-cpp-python sdist or any other), or a "
+                        "llama-cpp-python version fetched with pip. llama.cpp is the folder that holds "
+                        "include/llama.h beside ggml/; see docs/rebasing.md.")
     g = rb.add_mutually_exclusive_group(required=True)
-    g.add_argument("--onto", metavar="VERSION|SDIST", help="a llama-cpp-python version (fetched with pip) "
-                   "or a local .tar.gz sdist")
-    g.add_argument("--continue", dest="cont", metavar="TREE", type=Path,
+    g.add_argument("--onto", metavar="TREE", help="a directory, a tarball or a llama-cpp-python version")
+    g.add_argument("--continue", dest="cont", metavar="WORKTREE", type=Path,
                    help="resume a rebase stopped at a conflict, once it is resolved")
-    rb.add_argument("--force", action="store_true", help="discard an existing rebase tree for this sdist")
+    rb.add_argument("--ref", metavar="REF", help="with --onto DIR in a git checkout: take the files of "
+                    "this commit, branch or tag (not the working files)")
+    rb.add_argument("--dry-run", action="store_true", help="replay in a temporary tree, skip past a "
+                    "conflict so every patch gets a row, keep nothing")
+    rb.add_argument("--force", action="store_true", help="discard an existing rebase tree for this source")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "list":
@@ -61,9 +73,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(n)
             return 0
         if a.cmd == "rebase":
+            if a.cont and (a.ref or a.dry_run):
+                raise ValueError("--ref and --dry-run go with --onto, not --continue")
             root = vendor.project_root()
-            res = patches.rebase_continue(a.cont.resolve()) if a.cont else patches.rebase(a.onto, root, force=a.force)
-            _report_rebase(res, root)
+            if a.cont:
+                res = patches.rebase_continue(a.cont.resolve())
+            else:
+                res = patches.rebase(a.onto, root, ref=a.ref, force=a.force, dry_run=a.dry_run)
+            _report_rebase(res, root, dry=a.dry_run)
             return 0 if res.ok else 1
     except ValueError as e:
         print(f"pybmoe patches: error: {e}", file=sys.stderr)
@@ -72,10 +89,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pybmoe patches: error: {e}", file=sys.stderr)
         return 2
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":  # pragma: no cover
