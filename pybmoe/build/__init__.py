@@ -5,7 +5,9 @@
   then the folder the package sits in);
 - :mod:`.patches`: list, check, export and rebase ``patches/series``;
 - :mod:`.trees`: the llama.cpp tree a rebase goes onto (a directory, a tarball, a git ref, a
-  version), found at any depth, and its digest.
+  version), found at any depth, and its digest;
+- :mod:`.abi`: ctypes declarations (the ``llama_cpp`` bindings, pybmoe's own) against a C header,
+  signatures and struct layouts, with the C++ compiler as the judge.
 
 Bottom layer: imports nothing of pybmoe outside this package (``tests/test_layering.py``).
 """

@@ -1,0 +1,160 @@
+"""The ABI check (pybmoe.build.abi): the ctypes declarations pybmoe relies on against the pinned
+tree's llama.h, and pybmoe's own against ggml-ext/llama-moe.h; and that the check reports a
+declaration broken on purpose (a wrong return type, a wrong parameter, a narrowed or missing
+field, a header that changed a signature).
+
+Needs the built tree (``vendor/src/.../include/llama.h``), the ``llama_cpp`` package and a C++
+compiler; each test says why it skips without them. One compile per check (about a second).
+"""
+from __future__ import annotations
+
+import ctypes
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pybmoe.build import abi, vendor
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Differences between llama-cpp-python 0.3.36 and the pinned llama.h in what pybmoe never
+#: reaches (training), with why each is harmless to pybmoe. Anything else fails the test.
+KNOWN_UNREACHED = {
+    # the bindings' struct lacks the trailing `enum ggml_opt_optimizer_type optimizer_type`;
+    # llama_opt_init takes it by value, so a caller would pass 8 bytes short. pybmoe does not train.
+    "struct llama_opt_params: size",
+}
+
+
+def _tree() -> Path:
+    lc = vendor.tree_dir(ROOT, vendor.load_pin(ROOT)) / vendor.load_pin(ROOT).subdir
+    if not (lc / "include" / "llama.h").is_file():
+        pytest.skip(f"no built tree: {lc / 'include' / 'llama.h'} is absent (run `pybmoe vendor` or a build)")
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler (c++) on PATH")
+    return lc
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+        import llama_cpp.llama_cpp as m
+    except Exception as e:  # the package or its library is missing
+        pytest.skip(f"the llama_cpp bindings do not import: {e}")
+    return llama_cpp, m
+
+
+def _used(llama_cpp) -> set[str]:
+    """What pybmoe reaches of llama_cpp.llama_cpp: the names pybmoe uses directly, and those that
+    the parts of llama_cpp it builds on (Llama, its internals, chat formats, logging) use."""
+    pkg = Path(llama_cpp.__file__).parent
+    files = [pkg / f for f in ("llama.py", "_internals.py", "llama_chat_format.py", "_logger.py",
+                               "llama_tokenizer.py", "llama_grammar.py") if (pkg / f).is_file()]
+    return abi.referenced_names(files) | abi.referenced_names(sorted((ROOT / "pybmoe").rglob("*.py")))
+
+
+def _check(fns, structs, lc: Path, header: Path | None = None) -> abi.Report:
+    return abi.check(fns, structs, header or lc / "include" / "llama.h",
+                     [lc / "include", lc / "ggml" / "include"])
+
+
+def test_llama_cpp_bindings_match_the_pinned_llama_h():
+    lc = _tree()
+    llama_cpp, m = _llama_cpp()
+    fns, structs = abi.declarations(m)
+    rep = _check(fns, structs, lc)
+    assert rep.functions > 200 and rep.structs > 15 and rep.checked > 1000, rep
+    used = abi.reached(fns, structs, _used(llama_cpp))
+    assert {"llama_decode", "llama_batch", "llama_model_params", "llama_context_params", "llama_log_set"} <= used
+    bad = [str(x) for x in rep.mismatches if x.name in used]
+    assert not bad, "the llama_cpp bindings pybmoe uses differ from llama.h:\n" + "\n".join(bad)
+    unreached = {x.where for x in rep.mismatches if x.name not in used}
+    assert unreached == KNOWN_UNREACHED, [str(x) for x in rep.mismatches]
+
+
+def test_pybmoe_own_bindings_match_llama_moe_h():
+    lc = _tree()
+    _llama_cpp()
+    from pybmoe.engine import bindings
+    lib = bindings._llama_lib()
+    fns = [abi.Function(n, tuple(f.argtypes), f.restype) for n, f in sorted(vars(lib).items())
+           if n.startswith("llama_") and "moe" in n and isinstance(f, ctypes._CFuncPtr)]
+    assert len(fns) >= 14, [f.name for f in fns]
+    structs = [abi.Struct("llama_moe_cache_stats", bindings.MoeCacheStatsC),
+               abi.Struct("llama_moe_stream_stats", bindings.MoeStreamStatsC)]
+    rep = _check(fns, structs, lc, ROOT / "ggml-ext" / "llama-moe.h")
+    assert rep.functions == len(fns) and rep.structs == 2
+    assert rep.ok, "\n".join(map(str, rep.mismatches))
+
+
+# ------------------------------------------------------------------ broken on purpose: it must say so
+
+def test_a_wrong_return_type_or_parameter_is_reported():
+    lc = _tree()
+    _, m = _llama_cpp()
+    right = m.llama_model_n_layer  # int32_t llama_model_n_layer(const struct llama_model * model)
+    assert right.restype is ctypes.c_int32
+    fns = [abi.Function("llama_model_n_layer", tuple(right.argtypes), ctypes.c_int64),        # restype
+           abi.Function("llama_set_n_threads", (ctypes.c_void_p, ctypes.c_int32, ctypes.c_float), None),  # arg 3
+           abi.Function("llama_batch_free", (ctypes.POINTER(m.llama_batch),), None),          # by value in C
+           abi.Function("llama_n_ctx", (ctypes.c_void_p, ctypes.c_int32), ctypes.c_uint32),   # one too many
+           abi.Function("llama_no_such_function", (), None)]
+    rep = _check(fns, [], lc)
+    got = {x.where: x for x in rep.mismatches}
+    assert set(got) == {"fn llama_model_n_layer: return type", "fn llama_set_n_threads: parameter 3",
+                        "fn llama_batch_free: parameter 1", "fn llama_n_ctx: number of parameters",
+                        "fn llama_n_ctx: parameter 2", "fn llama_no_such_function"}, [str(x) for x in rep.mismatches]
+    assert "(8 bytes, signed)" in str(got["fn llama_model_n_layer: return type"])  # c_int64 is c_long
+    assert "the header has int" in str(got["fn llama_model_n_layer: return type"])  # int32_t is int
+    assert "the header has int" in str(got["fn llama_set_n_threads: parameter 3"])
+    assert got["fn llama_n_ctx: number of parameters"].c == "1"
+    assert got["fn llama_n_ctx: parameter 2"].c == "absent"  # a parameter C does not have
+
+
+def test_a_struct_with_a_moved_or_missing_field_is_reported():
+    lc = _tree()
+    _, m = _llama_cpp()
+    good = list(m.llama_token_data._fields_)           # id (int32), logit (float), p (float)
+    assert [f[0] for f in good] == ["id", "logit", "p"]
+    Narrow = type("llama_token_data", (ctypes.Structure,),
+                  {"_fields_": [("id", ctypes.c_int64), ("logit", ctypes.c_float), ("p", ctypes.c_float)]})
+    Extra = type("llama_logit_bias", (ctypes.Structure,),
+                 {"_fields_": [*m.llama_logit_bias._fields_, ("scale", ctypes.c_float)]})
+    rep = _check([], [abi.Struct("llama_token_data", Narrow), abi.Struct("llama_logit_bias", Extra)], lc)
+    got = {x.where for x in rep.mismatches}
+    assert {"struct llama_token_data: size", "struct llama_token_data: field id size",
+            "struct llama_token_data: field id type", "struct llama_token_data: field logit offset",
+            "struct llama_logit_bias: size", "struct llama_logit_bias: field scale"} <= got, got
+
+
+def test_a_header_that_changed_a_signature_is_reported(tmp_path):
+    """The real declarations against a fake llama.h in which one function returns int64_t and
+    llama_token_data lost a field: what a future pin that breaks the bindings looks like."""
+    lc = _tree()
+    _, m = _llama_cpp()
+    h = tmp_path / "llama.h"
+    h.write_text("#pragma once\n#include <stdint.h>\n#include <stdbool.h>\n"
+                 "#ifdef __cplusplus\nextern \"C\" {\n#endif\n"
+                 "struct llama_model;\n"
+                 "typedef int32_t llama_token;\n"
+                 "typedef struct llama_token_data { llama_token id; float logit; } llama_token_data;\n"
+                 "int64_t llama_model_n_layer(const struct llama_model * model);\n"
+                 "int32_t llama_model_n_head(const struct llama_model * model);\n"
+                 "#ifdef __cplusplus\n}\n#endif\n")
+    fns = [abi.Function(n, tuple(getattr(m, n).argtypes), getattr(m, n).restype)
+           for n in ("llama_model_n_layer", "llama_model_n_head")]
+    rep = abi.check(fns, [abi.Struct("llama_token_data", m.llama_token_data)], h)
+    got = {x.where for x in rep.mismatches}
+    assert got == {"fn llama_model_n_layer: return type", "struct llama_token_data: size",
+                   "struct llama_token_data: field p"}, [str(x) for x in rep.mismatches]
+    # and the real header accepts the same declarations
+    assert _check(fns, [abi.Struct("llama_token_data", m.llama_token_data)], lc).ok
+
+
+def test_check_raises_on_a_missing_header_or_compiler(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        abi.check([], [], tmp_path / "nope.h")
+    (tmp_path / "x.h").write_text("")
+    with pytest.raises(abi.AbiError, match="no C\\+\\+ compiler"):
+        abi.check([], [], tmp_path / "x.h", cxx="no-such-compiler-here")
