@@ -23,7 +23,7 @@ VERBS = {
     "load": "8 clients against one llama-server -np 8 with churning tiers: every answer checked (CSV)",
     "backend-ops": "run test-backend-ops' duplicate-expert-id MUL_MAT_ID cases on each backend",
     "vendor": "fetch, verify, unpack and patch the pinned upstream llama.cpp",
-    "patches": "the patch series: list | check | export | rebase --onto VERSION",
+    "patches": "the patch series: list | check | export | rebase --onto VERSION|SDIST|TARBALL|DIR [--ref REF]",
 }
 
 # verb -> module of this package whose main(argv) runs it (imported lazily, so `pybmoe serve` stays fast)
