@@ -162,17 +162,26 @@ def test_the_readme_demo_sample_is_what_the_demo_prints(model_q8):
 
 
 def test_the_readme_demo_sample_has_the_disk_tier_part():
-    """Its second part: the lines run_stream_demo prints, and the ratio the README quotes."""
+    """Its second part: the lines run_stream_demo prints, and the ratio the README quotes; after the ratio,
+    word for word, the line that says a single run's ratio swings with the machine's load."""
+    from pybmoe.engine import demo
     sample = _demo_sample()
     second = sample[sample.index("") + 1:]
-    assert _labels(second) == ["disk tier:", "mmap:", "stream:", "ratio:", "output:"]
+    assert _labels(second) == ["disk tier:", "mmap:", "stream:", "ratio:", "note:", "output:"]
+    assert second[4] == demo.RATIO_NOTE
     ratio = float(re.search(r"ratio +: ([\d.]+)x", "\n".join(second)).group(1))
     assert f"{ratio:.1f}×" in README.read_text()
 
 
 def test_pybmoe_demo_prints_the_readme_samples_lines(capsys):
-    """The whole `pybmoe demo`, both parts (about 40 s): the same lines as the README's sample."""
+    """The whole `pybmoe demo`, both parts (about 40 s): the same lines as the README's sample on stdout;
+    on stderr, a progress line before each run (and before a model is written), nothing else."""
     from pybmoe.cli import demo as demo_cli
     assert demo_cli.main([]) == 0
-    printed = capsys.readouterr().out.splitlines()
+    cap = capsys.readouterr()
+    printed = cap.out.splitlines()
     assert _labels(printed) == _labels(_demo_sample())
+    said = cap.err.splitlines()
+    assert all(ln.startswith("pybmoe demo: ") for ln in said), cap.err
+    runs = [ln.split(": ", 1)[1].split(":")[0] for ln in said if ": run " in ln]
+    assert runs == ["run 1 of 2", "run 2 of 2", "run 1 of 3", "run 2 of 3", "run 3 of 3"], cap.err

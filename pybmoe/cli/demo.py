@@ -15,21 +15,24 @@ from ..routing import granite
 
 def run_demo(model: Path | None = None, slots: int | None = None, inserts: int = 0,
              prompt: str = demo.DEFAULT_PROMPT, n_predict: int = 64, out=print,
-             route_replay: str | None = None) -> tuple[demo.RunResult, demo.RunResult]:
+             route_replay: str | None = None, progress=demo.say) -> tuple[demo.RunResult, demo.RunResult]:
     """:func:`pybmoe.engine.demo.run_demo`, where ``route_replay`` may also be ``"granite"``: the
     bundled granite-3.0-1b-a400m routing trace replayed on a model of its shape (24 layers, 32
     experts, top-8; ``model`` when given), with a prompt of the trace's prefill length, so the hit
-    rate reflects real routing locality rather than random weights.
+    rate reflects real routing locality rather than random weights. ``progress`` gets the progress lines
+    (default: stderr), one before a model is written.
 
     The engine does not read routing traces (the layer rule of ``tests/test_layering.py``): the
     trace is turned into the engine's replay file here, one layer above both.
     """
     if route_replay == "granite":
+        from .. import models
+        demo.ensure_cached_model(models.GRANITE_TRACE_SPEC, "the granite-shaped model", progress)
         gmodel, csv, n_prompt = granite.granite_replay()
         req = [1000 + i for i in range(n_prompt)]  # token ids: the trace's prefill length
         return demo.run_demo(Path(model) if model else gmodel, slots, inserts, req, n_predict, out,
-                             route_replay=csv)
-    return demo.run_demo(model, slots, inserts, prompt, n_predict, out, route_replay=route_replay)
+                             route_replay=csv, progress=progress)
+    return demo.run_demo(model, slots, inserts, prompt, n_predict, out, route_replay=route_replay, progress=progress)
 
 
 def check_args(a: argparse.Namespace) -> None:

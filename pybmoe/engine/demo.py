@@ -1,18 +1,45 @@
-"""The main job on the embedded default model, on any machine.
+"""The demo, on any machine, in two parts.
 
-A loopback ``ggml-rpc-server`` stands in for the GPU. Every layer is offloaded to
-it while the experts stay in host memory (``--cpu-moe``), exactly the layout big
-MoE models run in. The same greedy request is answered with the expert cache off
-and on; the texts must be byte-identical, and the cache's hit rate is reported.
+The expert cache (:func:`run_demo`): a loopback ``ggml-rpc-server`` stands in for the GPU. Every
+layer is offloaded to it while the experts stay in host memory (``--cpu-moe``), exactly the layout
+big MoE models run in. The same greedy request is answered with the expert cache off and on; the
+texts must be byte-identical, and the cache's hit rate is reported.
+
+The disk tier (:func:`run_stream_demo`): a model larger than a memory limit decodes with stock mmap
+and with ``--moe-stream-cache-mb auto``; tokens and logits must be identical, and the ratio of the
+decode speeds is reported.
+
+The results go to ``out`` (stdout by default); a progress line goes to stderr before each slow
+step (:func:`say`: a model written, a server or benchmark run started).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import engine
 
 DEFAULT_PROMPT = "The expert cache keeps recently used experts on the device, so"
+
+
+def say(line: str) -> None:
+    """Print one progress line of the demo to stderr, at once (``pybmoe demo: LINE``); stdout carries
+    only the results."""
+    print(f"pybmoe demo: {line}", file=sys.stderr, flush=True)
+
+
+def ensure_cached_model(spec, what: str, progress=say) -> Path:
+    """The cached model of ``spec`` (:func:`pybmoe.models.cached_model_path`), with one ``progress``
+    line naming ``what``, its size (MiB) and its path before it is written (nothing when it is
+    cached). Raises what :func:`pybmoe.models.write_model` raises."""
+    from .. import models
+    from ..models import shapes
+    path = models.cached_model_file(spec)
+    if not path.is_file():
+        total, _ = shapes.estimate_bytes(spec)
+        progress(f"writing {what} (about {total / 2**20:.0f} MiB) to {path} (once; cached for later runs) ...")
+    return models.cached_model_path(spec)
 
 
 @dataclass(frozen=True)
@@ -50,10 +77,12 @@ def run_once(model: Path, rpc_endpoint: str, slots: int, inserts: int, prompt: s
 
 def run_demo(model: Path | None = None, slots: int | None = None, inserts: int = 0,
              prompt: str | list[int] = DEFAULT_PROMPT, n_predict: int = 64, out=print,
-             route_replay: str | Path | None = None) -> tuple[RunResult, RunResult]:
+             route_replay: str | Path | None = None, progress=say) -> tuple[RunResult, RunResult]:
     """Cache off, then on, on the same request. Returns both results.
 
-    slots defaults to half the experts of the model (the embedded model has 16).
+    slots defaults to half the experts of the model (the embedded model has 16). ``out`` gets the
+    result lines; ``progress`` (default :func:`say`, stderr) one line before the model is written
+    (when it is not cached yet) and before each of the two ``llama-server`` runs.
     route_replay: a trace file (``--moe-trace`` CSV) replayed on ``model`` by both runs
     (``--moe-route-replay``), so the hit rate reflects the trace's routing rather than random
     weights. (``pybmoe demo --route-replay granite``, the bundled granite trace on a model of its
@@ -65,7 +94,8 @@ def run_demo(model: Path | None = None, slots: int | None = None, inserts: int =
         if not Path(route_replay).is_file():
             raise FileNotFoundError(f"route replay trace {route_replay} not found")
         extra = ["--moe-route-replay", str(route_replay)]
-    model = Path(model) if model else models.default_model_path()
+    model = Path(model) if model else ensure_cached_model(models.ModelSpec(), "the embedded tiny qwen3moe model",
+                                                          progress)
     if slots is None:
         slots = models.read_spec(model).n_expert // 2
     engine.cache_args(slots, inserts)  # bad values fail here, before anything starts
@@ -75,7 +105,9 @@ def run_demo(model: Path | None = None, slots: int | None = None, inserts: int =
         out(f"device: loopback ggml-rpc-server at {rpc.endpoint}; model: {model}")
         if extra:
             out(f"routing : replayed from {extra[1]}")
+        progress(f"run 1 of 2: llama-server with the expert cache off, {n_predict} tokens ...")
         off = run_once(model, rpc.endpoint, 0, 0, prompt, n_predict, extra)
+        progress(f"run 2 of 2: llama-server with the expert cache on ({slots} slots/layer), {n_predict} tokens ...")
         on = run_once(model, rpc.endpoint, slots, inserts, prompt, n_predict, extra)
     same = off.text == on.text
     out(f"cache off : {off.tokens_predicted} tokens, {off.decode_tok_s:.1f} tok/s decode")
@@ -100,7 +132,14 @@ STREAM_DEMO_SHAPE = dict(n_layer=16, n_expert=64, top_k=8, n_embd=512, n_ff_exp=
 #: Its memory limit (MiB): the model is 2.5x larger. Its stream budget: ``auto``, the tier's default
 #: (what a user who types only ``--moe-stream-cache-mb auto`` gets; docs/stream-tier.md).
 STREAM_DEMO_LIMIT_MIB = 400
+#: Its size on disk, MiB (what the progress line before writing it says).
+STREAM_DEMO_MIB = 915
 STREAM_DEMO_BUDGET_MIB = "auto"
+
+
+#: The line after the disk tier's ratio.
+RATIO_NOTE = ("note      : one run of each, so the ratio swings with the machine's load (a busy machine moves it "
+              "either way); pybmoe bench-stream gives medians of repeated runs")
 
 
 @dataclass(frozen=True)
@@ -121,9 +160,10 @@ class StreamDemoResult:
         return self.stream_tok_s / self.mmap_tok_s if self.mmap_tok_s > 0 else float("nan")
 
 
-def stream_demo_model() -> Path:
+def stream_demo_model(progress=say) -> Path:
     """The disk-tier demo's model (:data:`STREAM_DEMO_SHAPE`), written once into the models cache by
-    ``pybmoe-make-synth`` (about 1 GiB, a few seconds). Raises :class:`EngineError` when it fails."""
+    ``pybmoe-make-synth`` (915 MiB, a few seconds), with one ``progress`` line (its size and path)
+    before it is written. Raises :class:`EngineError` when it fails."""
     import subprocess
     from .. import models
     s = STREAM_DEMO_SHAPE
@@ -136,6 +176,8 @@ def stream_demo_model() -> Path:
     tmp = path.with_suffix(".tmp")
     cmd = [str(engine.find_binary("pybmoe-make-synth")), str(tmp), "--vocab", str(vocab), "--type", "q8_0",
            "--threads", "2", *[a for k, v in s.items() for a in (f"--{k.replace('_', '-')}", str(v))]]
+    progress(f"writing the disk tier's model ({STREAM_DEMO_MIB} MiB) to {path} with pybmoe-make-synth (once; cached "
+             f"for later runs) ...")
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise engine.EngineError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -162,15 +204,17 @@ def _bench_tg(model: Path, n_gen: int, extra: list[str], limit) -> tuple[float, 
 
 
 def run_stream_demo(model: Path | None = None, limit_mib: int = STREAM_DEMO_LIMIT_MIB,
-                    budget_mib: int | str = STREAM_DEMO_BUDGET_MIB, n_gen: int = 16, out=print) -> StreamDemoResult:
+                    budget_mib: int | str = STREAM_DEMO_BUDGET_MIB, n_gen: int = 16, out=print,
+                    progress=say) -> StreamDemoResult:
     """The disk tier on a model larger than a memory limit: decode with stock mmap, then with
     ``--moe-stream-cache-mb budget_mib`` (MiB, or ``"auto"``: the default), both from a cold page cache under ``limit_mib`` (a cgroup;
     where one cannot be made, both run without it and the demo says so), then the two runs' tokens
-    and logits compared (``pybmoe-logits``, no limit). Prints five lines; returns the figures.
-    Raises :class:`EngineError` when a run fails."""
+    and logits compared (``pybmoe-logits``, no limit). Prints six lines to ``out``, and to ``progress``
+    (default :func:`say`, stderr) one line before the model is written (when it is not cached yet)
+    and before each run; returns the figures. Raises :class:`EngineError` when a run fails."""
     import tempfile
     from . import memlimit
-    model = Path(model) if model else stream_demo_model()
+    model = Path(model) if model else stream_demo_model(progress)
     ok, why = memlimit.limit_available()
     limit = memlimit.MemoryLimit(limit_mib) if ok else None
     size_mib = model.stat().st_size / 2**20
@@ -178,13 +222,19 @@ def run_stream_demo(model: Path | None = None, limit_mib: int = STREAM_DEMO_LIMI
         f"({size_mib / limit_mib:.1f}x larger), cold page cache" if limit else
         f"disk tier : {model.name} ({size_mib:.0f} MiB); no memory limit here ({why}), so mmap does not thrash "
         f"and the ratio below is not the speed-up a small machine sees")
+    under = f"under the {limit_mib} MiB limit" if limit else "without a memory limit"
     try:
+        progress(f"run 1 of 3: stock mmap {under}, cold page cache, {n_gen} tokens (the slow one: the page cache "
+                 f"thrashes) ...")
         mmap_ts, _ = _bench_tg(model, n_gen, [], limit)
+        progress(f"run 2 of 3: the disk tier (--moe-stream-cache-mb {budget_mib}) {under}, cold page cache, "
+                 f"{n_gen} tokens ...")
         stream_ts, log = _bench_tg(model, n_gen, ["--moe-stream-cache-mb", str(budget_mib)], limit)
     finally:
         if limit is not None:
             limit.close()
     rec = engine.stream_record(log)
+    progress("run 3 of 3: tokens and logits of mmap and of the disk tier, 8 tokens each, no limit ...")
     with tempfile.TemporaryDirectory() as d:
         args = ["-ngl", "0", "--no-repack"]
         a = engine.run_logits(model, Path(d) / "a.bin", args, n_predict=8)
@@ -198,5 +248,6 @@ def run_stream_demo(model: Path | None = None, limit_mib: int = STREAM_DEMO_LIMI
     out(f"stream    : {stream_ts:.2f} tok/s decode, --moe-stream-cache-mb {budget_mib}{chosen}: {res.hit_pct:.1f}% hit, "
         f"{res.read_mib_per_token:.1f} MiB read/token")
     out(f"ratio     : {res.ratio:.2f}x")
+    out(RATIO_NOTE)
     out(f"output    : {'IDENTICAL' if same else 'DIFFERENT'} (tokens and logits, mmap vs stream)")
     return res

@@ -790,13 +790,18 @@ def cache_dir() -> Path:
     return Path(base) / "pybmoe" / "models"
 
 
-def cached_model_path(spec: ModelSpec) -> Path:
-    """The model of ``spec``, generated into :func:`cache_dir` on first use.
+def cached_model_file(spec: ModelSpec) -> Path:
+    """Where :func:`cached_model_path` keeps the model of ``spec`` (whether or not it is written yet).
 
     The name carries the spec and :data:`GENERATOR_VERSION`, so a changed
     generator writes a new file.
     """
-    path = cache_dir() / f"pybmoe-{spec.name}-g{GENERATOR_VERSION}.gguf"
+    return cache_dir() / f"pybmoe-{spec.name}-g{GENERATOR_VERSION}.gguf"
+
+
+def cached_model_path(spec: ModelSpec) -> Path:
+    """The model of ``spec``, generated into :func:`cache_dir` on first use (:func:`cached_model_file`)."""
+    path = cached_model_file(spec)
     if not path.is_file():
         write_model(spec, path)
     return path
