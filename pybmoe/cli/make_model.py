@@ -26,7 +26,7 @@ def parser() -> argparse.ArgumentParser:
         epilog="examples: pybmoe make-model tiny.gguf --experts 8 --top-k 2; "
                "pybmoe make-model g.gguf --like granite-3.0-1b-a400m --experts 64; "
                "pybmoe make-model q30.gguf --like qwen3-30b-a3b --dry-run")
-    ap.add_argument("out", type=Path, nargs="?", help="output .gguf path (required unless --list-presets)")
+    ap.add_argument("out", type=Path, nargs="?", help="output .gguf path (required unless --list-presets or --dry-run)")
     ap.add_argument("--like", choices=list(shapes.PRESETS), metavar="NAME",
                     help="a published model's MoE shape: " + ", ".join(shapes.PRESETS) + " (written as qwen3moe)")
     ap.add_argument("--list-presets", action="store_true", help="print the presets, their shapes and sources, and exit")
@@ -63,7 +63,8 @@ def spec_of(a: argparse.Namespace) -> models.ModelSpec:
 def main(argv: Sequence[str] | None = None) -> int:
     """``pybmoe make-model OUT [--like NAME] [--arch NAME] [--ftype F16|Q8_0|Q4_K] [--layers N] [--experts N]
     [--top-k N] [--embd N] [--ff N] [--seed N] [--vocab PATH] [--dry-run]``, or ``--list-presets``;
-    returns the exit status (2, with one line on stderr, for a shape out of range or a missing vocab)."""
+    returns the exit status (2, with one line on stderr, for a shape out of range or a missing vocab). OUT
+    may be left out with ``--dry-run``."""
     ap = parser()
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     if a.list_presets:
@@ -71,8 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{s.name:22s} L{s.n_layer} E{s.n_expert} top-{s.top_k} D{s.n_embd} F{s.n_ff_exp} "
                   f"H{s.n_head}/{s.n_head_kv}x{s.head_dim} vocab {s.n_vocab}  {s.source}")
         return 0
-    if a.out is None:
-        ap.error("OUT (the .gguf path to write) is required, unless --list-presets")
+    if a.out is None and not a.dry_run:
+        ap.error("OUT (the .gguf path to write) is required, unless --list-presets or --dry-run")
     try:
         spec = spec_of(a)
         if a.like is not None or a.dry_run:
@@ -84,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if a.like is not None or a.dry_run:
         like = f" like {a.like} ({shapes.preset(a.like).source})" if a.like else ""
-        print(f"{a.out}: {spec.name}{like}: about {total / 2**30:.2f} GiB ({experts / 2**30:.2f} GiB of experts, "
+        where = f"{a.out}: " if a.out is not None else ""
+        print(f"{where}{spec.name}{like}: about {total / 2**30:.2f} GiB ({experts / 2**30:.2f} GiB of experts, "
               f"{models.expert_bytes(spec) / 2**20:.3f} MiB/expert)", flush=True)
     if a.dry_run:
         return 0

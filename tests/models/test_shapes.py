@@ -94,3 +94,14 @@ def test_dry_run_without_a_preset_writes_nothing(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["make-model"])
     assert e.value.code == 2 and "OUT (the .gguf path to write) is required" in capsys.readouterr().err
+
+
+def test_dry_run_needs_no_output_path(capsys):
+    """`pybmoe make-model --like granite-3.0-1b-a400m --experts 64 --dry-run` exited 2 asking for OUT."""
+    assert cli.main(["make-model", "--like", "granite-3.0-1b-a400m", "--experts", "64", "--dry-run"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith("qwen3moe-L24-E64-K8-D1024-F512-") and "about 2.63 GiB" in cap.out, cap.out
+    assert cap.err == ""
+    assert cli.main(["make-model", "--experts", "8", "--top-k", "2", "--dry-run"]) == 0
+    assert "-E8-K2-" in capsys.readouterr().out
+
