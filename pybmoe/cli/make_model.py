@@ -13,6 +13,9 @@ from typing import Sequence
 from .. import models
 from ..models import shapes
 
+#: A model of more than this many MiB gets one line on stderr before it is written (:func:`large_note`).
+LARGE_MIB = 256
+
 
 def parser() -> argparse.ArgumentParser:
     """The parser of ``pybmoe make-model`` (every option, with and without ``--like``)."""
@@ -60,11 +63,39 @@ def spec_of(a: argparse.Namespace) -> models.ModelSpec:
     return models.ModelSpec(arch=a.arch or models.ModelSpec.arch, ftype=a.ftype, seed=a.seed, **given)
 
 
+def make_synth_command(spec: models.ModelSpec, out: Path) -> str | None:
+    """The ``pybmoe-make-synth`` command line that writes a model of ``spec``'s shape to ``out`` (other
+    random weights), or None when ``spec`` is not a qwen3moe model (the only architecture it writes)."""
+    if spec.arch != "qwen3moe":
+        return None
+    words = ["pybmoe-make-synth", str(out), "--n-layer", spec.n_layer, "--n-expert", spec.n_expert, "--top-k",
+             spec.n_expert_used, "--n-embd", spec.n_embd, "--n-ff-exp", spec.n_ff_exp, "--n-head", spec.n_head,
+             "--n-head-kv", spec.n_head_kv, "--head-dim", spec.head_dim, "--type", spec.ftype.lower(),
+             "--seed", spec.seed]
+    if spec.n_ctx_train != models.ModelSpec.n_ctx_train:
+        words += ["--n-ctx-train", spec.n_ctx_train]
+    return " ".join(map(str, words))
+
+
+def large_note(spec: models.ModelSpec, out: Path, total_bytes: int) -> str | None:
+    """The line printed before writing a model of ``total_bytes`` bytes to ``out``: None up to
+    :data:`LARGE_MIB` MiB; above it, the size (GiB), the path, and that ``pybmoe-make-synth`` writes
+    large synthetic models much faster (with its command for ``spec``'s shape, where it has one)."""
+    if total_bytes <= LARGE_MIB * 2**20:
+        return None
+    cmd = make_synth_command(spec, out)
+    how = f": {cmd}" if cmd else " (qwen3moe only)"
+    return (f"pybmoe make-model: writing about {total_bytes / 2**30:.2f} GiB to {out}, one tensor at a time in Python "
+            f"(a minute or more at this size); pybmoe-make-synth writes large synthetic models much faster, on every "
+            f"core, streamed to the file (the same shape, other random weights){how}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``pybmoe make-model OUT [--like NAME] [--arch NAME] [--ftype F16|Q8_0|Q4_K] [--layers N] [--experts N]
     [--top-k N] [--embd N] [--ff N] [--seed N] [--vocab PATH] [--dry-run]``, or ``--list-presets``;
     returns the exit status (2, with one line on stderr, for a shape out of range or a missing vocab). OUT
-    may be left out with ``--dry-run``."""
+    may be left out with ``--dry-run``. Before writing more than :data:`LARGE_MIB` MiB it prints
+    :func:`large_note` on stderr."""
     ap = parser()
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     if a.list_presets:
@@ -76,10 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("OUT (the .gguf path to write) is required, unless --list-presets or --dry-run")
     try:
         spec = spec_of(a)
-        if a.like is not None or a.dry_run:
-            n_vocab = None if a.vocab is None else len(next(
-                kv.value for kv in models.tokenizer_kvs(a.vocab) if kv.key == "tokenizer.ggml.tokens"))
-            total, experts = shapes.estimate_bytes(spec, n_vocab)
+        n_vocab = None if a.vocab is None else len(next(
+            kv.value for kv in models.tokenizer_kvs(a.vocab) if kv.key == "tokenizer.ggml.tokens"))
+        total, experts = shapes.estimate_bytes(spec, n_vocab)
     except (ValueError, FileNotFoundError) as e:
         print(f"pybmoe make-model: error: {e}", file=sys.stderr)
         return 2
@@ -90,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{models.expert_bytes(spec) / 2**20:.3f} MiB/expert)", flush=True)
     if a.dry_run:
         return 0
+    note = large_note(spec, a.out, total)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
         out = models.write_model(spec, a.out, vocab_path=a.vocab)
