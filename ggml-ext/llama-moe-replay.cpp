@@ -35,9 +35,11 @@ int32_t llama_moe_replay::open(const llama_model & model, const char * path, int
         LLAMA_LOG_ERROR("%s: moe-route-replay: the model has no MoE layers to replay %s into\n", "llama_model_moe_route_replay_open", path);
         return -1;
     }
+    errno = 0;
     std::ifstream in(path, std::ios::binary);
     if (!in) {
-        LLAMA_LOG_ERROR("%s: moe-route-replay: cannot read %s\n", "llama_model_moe_route_replay_open", path);
+        LLAMA_LOG_ERROR("%s: moe-route-replay: cannot read %s: %s\n", "llama_model_moe_route_replay_open", path,
+                        errno ? std::strerror(errno) : "cannot open the file");
         return -1;
     }
     // rows: workload,phase,ubatch,token,layer,rank,expert,hit[,ram_hit] (what --moe-trace writes); a token is

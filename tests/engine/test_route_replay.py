@@ -133,3 +133,7 @@ def test_llama_bench_names_why_a_trace_is_refused(model_q8, tmp_path):
     assert lines[-2].startswith(f"llama_model_moe_route_replay_open: moe-route-replay: {bad}: line 2 is not a trace row ("), \
         lines[-3:]
     assert lines[-1].endswith(f"error: cannot replay the routing trace {bad}")
+    # a file that is not there says so (it said only "cannot read FILE")
+    r = subprocess.run([*cmd[:-1], str(tmp_path / "missing.csv")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and f"moe-route-replay: cannot read {tmp_path / 'missing.csv'}: No such file or directory" \
+        in r.stderr, r.stderr[-2000:]
