@@ -179,6 +179,9 @@ SLOW: dict[str, str | set[str]] = {
         "test_tokenizer_copied_verbatim",
         "test_weights_are_sane_and_routing_not_degenerate",
     },
+    "tests/routing/test_trace_names.py": {
+        "test_the_docs_first_commands_run_as_written_from_any_directory",  # 4 s
+    },
     "tests/routing/test_synth.py": {
         "test_map_keeps_the_curve_at_the_same_fraction_of_experts",  # 3 s
     },

@@ -9,6 +9,22 @@ from typing import Sequence
 
 from .. import engine
 from ..bench import stream
+from ..routing import granite
+from ..routing import trace as tr
+
+
+def route_replay_file(arg: Path | None) -> Path | None:
+    """The engine replay file ``--route-replay ARG`` names: ``granite`` is the bundled granite trace as
+    a ``--moe-trace`` CSV (:func:`pybmoe.routing.granite.granite_replay_csv`), anything else the file
+    itself. Raises :class:`FileNotFoundError` naming what is accepted when the file is not there."""
+    if arg is None:
+        return None
+    if str(arg) == "granite":
+        return granite.granite_replay_csv()[0]
+    if not arg.is_file():
+        raise FileNotFoundError(f"--route-replay {arg}: no such file; accepted: a --moe-trace CSV, or granite "
+                                f"({tr.PACKAGED_TRACE_DOCS['granite']})")
+    return arg
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,7 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="memory limit of the limited runs, MiB (a cgroup: page cache included; needs root)")
     ap.add_argument("--budgets", default="", help="fixed stream budgets beside the defaults point, comma-separated MiB "
                                                  "or auto (default none: mmap, defaults and resident only)")
-    ap.add_argument("--route-replay", type=Path, default=None, help="routing trace every MoE layer replays (CSV)")
+    ap.add_argument("--route-replay", type=Path, default=None,
+                    help="routing trace every MoE layer replays: a --moe-trace CSV of the model's shape, or granite "
+                         "(the bundled granite-3.0-1b-a400m trace, for a model of 24 MoE layers, 32 experts, top-8)")
     ap.add_argument("-p", "--n-prompt", type=int, default=64, help="prompt tokens of the pp runs (default 64)")
     ap.add_argument("-n", "--n-gen", type=int, default=32, help="generated tokens of the tg runs (default 32)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats of every point (default 3)")
@@ -45,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from tqdm import tqdm
     try:
+        a.route_replay = route_replay_file(a.route_replay)
         budgets = [b for b in a.budgets.split(",") if b.strip()]
         dense = [d for d in a.dense.split(",") if d.strip()]
         n_runs = len(stream.points(budgets, not a.no_resident, dense, not a.no_defaults)) * len(stream.MODES) * a.repeats
@@ -55,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       include_resident=not a.no_resident, cold=not a.warm, dense=dense,
                                       defaults=not a.no_defaults,
                                       progress=bar.update)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"pybmoe bench-stream: error: {e}", file=sys.stderr)
         return 2
     except engine.EngineError as e:

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "one value, a list A,B,C or a range START:STOP[:STEP].",
         epilog="Policies: layer-lru (the engine's policy, exactly: lag, staging, insert cap), global-lru, fifo, "
                "lfu, belady (oracle), static (in-sample hot set). See docs/traces.md.")
-    ap.add_argument("trace", type=Path, help="trace file")
+    ap.add_argument("trace", type=Path, help="trace file, or granite (the bundled granite-3.0-1b-a400m trace)")
     ap.add_argument("--policy", default="layer-lru",
                     help=f"one or more of {', '.join(sim.POLICIES)} (comma-separated) or 'all' (default %(default)s)")
     b = ap.add_mutually_exclusive_group()

@@ -22,7 +22,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "one within 1 point of the best hit rate; without a trace it is the ceiling, and no hit rate "
                     "is predicted. Below top-k slots a layer cannot hold one token's experts (a warning).")
     ap.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
-    ap.add_argument("--trace", type=Path, default=None, help="routing trace of this model (any pybmoe trace format)")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="routing trace of this model (any pybmoe trace format), or granite (the bundled "
+                         "granite-3.0-1b-a400m trace)")
     ap.add_argument("--free-mb", type=float, default=None, help="device memory (MiB) the cache may use")
     ap.add_argument("--inserts", type=int, default=0, help="--moe-expert-cache-inserts to plan for (default 0 = unlimited)")
     st = ap.add_argument_group("the stream tier (--moe-stream-cache-mb): predicted decode tok/s, needs --trace")

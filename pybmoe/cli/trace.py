@@ -18,7 +18,9 @@ _USAGE = """pybmoe trace: routing trace formats.
     pybmoe trace synth --from IN --steps N --out OUT   a long synthetic trace with IN's reuse
     pybmoe trace synth --uniform --steps N --n-layer L --n-expert E --top-k K --out OUT   no locality at all
 
-IN is an engine CSV (--moe-trace), Parquet, the granite routing JSON or a JSONL route log.
+IN is an engine CSV (--moe-trace), Parquet, the granite routing JSON or a JSONL route log; or
+"granite", the bundled granite-3.0-1b-a400m routing trace, from any directory
+(pybmoe trace stats granite).
 Run a subcommand with --help for its options.
 """
 
@@ -26,7 +28,8 @@ Run a subcommand with --help for its options.
 def _convert(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="pybmoe trace convert",
                                  description="Read a routing trace and write the canonical columnar form.")
-    ap.add_argument("input", type=Path, help="trace file: engine CSV, Parquet, granite JSON or JSONL route log")
+    ap.add_argument("input", type=Path, help="trace file: engine CSV, Parquet, granite JSON or JSONL route log; "
+                                             "or granite (the bundled granite-3.0-1b-a400m trace)")
     ap.add_argument("-o", "--output", type=Path, required=True, help="output .csv (engine format) or .parquet")
     ap.add_argument("--format", choices=tr.FORMATS, default="auto", help="input format (default: sniffed)")
     ap.add_argument("--workload", default=None, help="workload name for a JSONL log (default: the file name)")
@@ -47,7 +50,8 @@ def _stats(argv: Sequence[str]) -> int:
                                  description="Locality statistics of a routing trace: expert-frequency Gini per layer, "
                                              "consecutive-token overlap, reuse distances, static hot-set coverage "
                                              "in sample vs out of sample.")
-    ap.add_argument("input", type=Path, help="trace file (any format pybmoe trace reads)")
+    ap.add_argument("input", type=Path, help="trace file (any format pybmoe trace reads), or granite (the bundled "
+                                             "granite-3.0-1b-a400m trace)")
     ap.add_argument("--phase", choices=tr.PHASE_CHOICES, default="decode", help="rows to analyse (default %(default)s)")
     ap.add_argument("--hot-sizes", default=None, help="comma-separated hot-set sizes in experts per layer "
                                                       "(default: top-k, n/8, n/4, n/2)")
@@ -91,7 +95,8 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
                                  description="Generate a long decode routing trace that resamples a short real "
                                              "trace's per-layer LRU stack distances and expert popularity.")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from", dest="source", type=Path, help="source trace (any format pybmoe reads)")
+    src.add_argument("--from", dest="source", type=Path, help="source trace (any format pybmoe reads), or granite "
+                                                              "(the bundled granite-3.0-1b-a400m trace)")
     src.add_argument("--uniform", action="store_true",
                      help="no source: every token's top-k drawn uniformly at random (no locality, the worst case); "
                           "needs --n-layer, --n-expert and --top-k")

@@ -24,7 +24,8 @@ Files (all read by :func:`read_trace`, format sniffed from the content):
   answer for the same lookup (-1: computed on a device, or not streamed).
 - **Parquet** (``.parquet``): the same columns; the comment line is kept in the schema metadata
   under ``pybmoe-trace``.
-- **granite JSON** (``shared/data/granite-3.0-1b-a400m-routing.json``): ``{num_layers,
+- **granite JSON** (the bundled ``pybmoe/data/granite-3.0-1b-a400m-routing.json``, short name
+  ``granite``: :data:`PACKAGED_TRACES`): ``{num_layers,
   num_experts, top_k, prompts: {name: {prefill: [T][L][k], decode: [D][L][k]}}}``. Each prompt
   is a workload; its prefill is one ubatch (tokens ``0..T-1``) and each decode token is its own
   ubatch; ``hit`` is -1.
@@ -66,6 +67,29 @@ _INT_DTYPES = {"ubatch": np.int32, "token": np.int32, "layer": np.int16, "rank":
                "expert": np.int32, "hit": np.int8, "ram_hit": np.int8}
 _META_KEYS = ("n_layer", "n_expert", "n_expert_used", "slots", "inserts")
 FORMATS = ("auto", "engine", "parquet", "granite", "jsonl")
+#: The traces the package ships, by short name: wherever pybmoe reads a trace (:func:`read_trace`;
+#: ``pybmoe trace``, ``simulate``, ``size --trace``), the short name stands for the file, from any
+#: directory (a file of that name is ``./granite``).
+PACKAGED_TRACES = {"granite": Path(__file__).resolve().parent.parent / "data" / "granite-3.0-1b-a400m-routing.json"}
+#: What each short name is (the help and the errors say it).
+PACKAGED_TRACE_DOCS = {"granite": "the bundled granite-3.0-1b-a400m routing trace: 24 layers, 32 experts, top-8"}
+
+
+def accepted_traces() -> str:
+    """The words an error about a trace path ends with: what is accepted, the short names included."""
+    names = "; ".join(f"{k} ({v})" for k, v in PACKAGED_TRACE_DOCS.items())
+    return f"accepted: a trace file (engine CSV, Parquet, granite JSON, JSONL route log) or a packaged trace's short name: {names}"
+
+
+def trace_path(path: str | Path) -> Path:
+    """The file a trace argument names: a short name of :data:`PACKAGED_TRACES` (``"granite"``) is
+    the packaged file, anything else the path itself. Raises :class:`FileNotFoundError` when the file
+    is not there; the message names the accepted short names."""
+    name = str(path)
+    resolved = PACKAGED_TRACES.get(name, Path(path))
+    if not resolved.is_file():
+        raise FileNotFoundError(f"trace {name} not found; {accepted_traces()}")
+    return resolved
 
 
 class TraceFormatError(ValueError):
@@ -680,12 +704,11 @@ def sniff_format(path: str | Path) -> str:
 def read_trace(path: str | Path, *, fmt: str = "auto", workload: str | None = None) -> Trace:
     """Read any supported trace file (see the module doc); ``fmt`` is one of :data:`FORMATS`.
 
-    ``workload`` names the workload of a JSONL log. Raises :class:`FileNotFoundError` for a
-    missing file and :class:`TraceFormatError` for a malformed one or an unknown ``fmt``.
+    ``path`` may be a packaged trace's short name (:func:`trace_path`: ``"granite"``). ``workload``
+    names the workload of a JSONL log. Raises :class:`FileNotFoundError` for a missing file (naming
+    the short names) and :class:`TraceFormatError` for a malformed one or an unknown ``fmt``.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"trace {path} not found")
+    path = trace_path(path)
     if fmt not in FORMATS:
         raise TraceFormatError(f"trace format {fmt!r}; accepted: {', '.join(FORMATS)}")
     if fmt == "auto":
