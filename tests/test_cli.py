@@ -177,6 +177,21 @@ def test_bin_help_prints_a_help_and_exits_zero(capsys):
     assert "'frobnicate' is not one of pybmoe's binaries; accepted: llama-server" in capsys.readouterr().err
 
 
+def test_bin_help_says_what_every_binary_is_and_which_are_test_programs(capsys):
+    """`pybmoe bin` lists pybmoe-test-skip and pybmoe-test-residency, which no user doc named: its --help
+    gives every binary one line, and says those two are the test suite's programs."""
+    from pybmoe.engine import binaries
+    assert cli.main(["bin", "--help"]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  ")}
+    assert set(lines) == set(engine.BINARIES) == set(binaries.BINARY_DOCS)
+    for name in binaries.TEST_BINARIES:
+        assert "a test program of the test suite" in lines[name], lines[name]
+    assert "pybmoe-test-skip and pybmoe-test-residency are test programs" in out
+    assert "not tools to run by hand" in out
+    assert "pybmoe bin --help" in (ROOT / "README.md").read_text()  # where the README points for them
+
+
 def test_bin_lists_the_tools_the_readme_names(capsys):
     """Issue 26, finding 1: `pybmoe bin` did not list pybmoe-make-synth or pybmoe-bw."""
     rc = cli.main(["bin"])

@@ -126,11 +126,16 @@ def serve_main(argv: list[str]) -> int:
 
 
 def bin_usage() -> str:
-    """The text of ``pybmoe bin --help``."""
+    """The text of ``pybmoe bin --help``: what it prints, and what each binary is."""
+    from ..engine import binaries
+    width = max(map(len, engine.BINARIES)) + 2
+    names = "\n".join(f"  {n:<{width}}{binaries.BINARY_DOCS[n]}" for n in engine.BINARIES)
     return ("usage: pybmoe bin [NAME...]\n\n"
             "Print where the patched binaries are: one line per NAME (default: every one), the name, a tab and its\n"
             "path; exit 2 when one is not there (its line, on stderr, says where it was looked for).\n\n"
-            f"NAME: one of {', '.join(engine.BINARIES)}\n"
+            f"NAME, one of:\n{names}\n\n"
+            f"{' and '.join(binaries.TEST_BINARIES)} are test programs: pip install . ships them for the test suite,\n"
+            "which finds them here; they are not tools to run by hand.\n"
             "searched, in order: $PYBMOE_BIN_DIR, the installed package's pybmoe/bin, the checkout's build/dev/bin")
 
 

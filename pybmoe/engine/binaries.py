@@ -25,6 +25,23 @@ from ..build import vendor
 BINARIES = ("llama-server", "llama-cli", "llama-bench", "test-backend-ops", "ggml-rpc-server", "pybmoe-logits",
             "pybmoe-make-synth", "pybmoe-bw", "pybmoe-test-skip", "pybmoe-test-residency")
 
+#: What each of :data:`BINARIES` is, one line each (``pybmoe bin --help``).
+BINARY_DOCS = {
+    "llama-server": "the OpenAI-compatible HTTP server, with the expert cache and the disk tier (pybmoe serve)",
+    "llama-cli": "the interactive command-line client, with the same flags",
+    "llama-bench": "the benchmark (pp/tg tok/s), with the cache, insert cap, sync and route replay flags",
+    "test-backend-ops": "upstream's per-backend op tests (pybmoe backend-ops runs its MUL_MAT_ID cases)",
+    "ggml-rpc-server": "the RPC device server (the loopback device of the demo and of the tests)",
+    "pybmoe-logits": "the logits oracle: greedy tokens and every logit to a file (identity checks)",
+    "pybmoe-make-synth": "the fast writer of big synthetic qwen3moe GGUFs (every core, streamed to the file)",
+    "pybmoe-bw": "the bandwidth probe: host RAM, host-to-device and device-to-device GB/s",
+    "pybmoe-test-skip": "a test program of the test suite: the MUL_MAT_ID skip table on the CPU",
+    "pybmoe-test-residency": "a test program of the test suite: the expert residency over a trace, against the simulator",
+}
+#: The test programs among :data:`BINARIES` (listed by ``pybmoe bin`` too, since the test suite finds
+#: them there; ``pybmoe bin --help`` says what they are).
+TEST_BINARIES = ("pybmoe-test-skip", "pybmoe-test-residency")
+
 #: The ``pybmoe`` package folder (``pybmoe/engine/..``).
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
