@@ -232,3 +232,23 @@ def test_size_refuses_a_truncated_model(model_q8, tmp_path, capsys):
     assert r.returncode != 0 and named, r.stderr[-2000:]
     assert f"the data of tensor '{named.group(1)}' ends at byte {full}," in err, err
     assert size.main(["-m", str(model_q8)]) == 0  # the whole file still sizes
+
+
+def test_demo_help_says_what_both_parts_do_and_helps_every_option(capsys):
+    """`pybmoe demo --help` said only "The main job on the embedded default model, on any machine." and
+    -p had no help: the description names both parts and their times, and every option has a help text."""
+    from pybmoe.cli import demo as demo_cli
+    with pytest.raises(SystemExit) as e:
+        demo_cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    text = " ".join(out.split())
+    assert "The main job" not in text
+    assert "1. The expert cache (about 6 s" in text and "2. The disk tier (about 30 s): a 915 MiB model" in text
+    assert "cache off and on" in text and "--moe-stream-cache-mb auto" in text and "Exit status: 0" in text
+    options = [a for a in demo_cli.parser()._actions if a.option_strings]
+    assert len(options) == 9  # -h and the eight options
+    for a in options:
+        assert a.help and len(a.help.split()) > 3, a.option_strings
+        assert " ".join(a.help.split()[:3]) in text, a.option_strings  # shown by --help
+    assert "the first part's prompt" in text

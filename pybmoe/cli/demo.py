@@ -61,13 +61,42 @@ def check_args(a: argparse.Namespace) -> None:
         raise FileNotFoundError(f"--route-replay {a.route_replay}: no such file; accepted: granite, or a --moe-trace CSV")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pybmoe demo", description=demo.__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", type=Path, help="GGUF (default: the embedded tiny qwen3moe)")
-    ap.add_argument("--slots", type=int, help="expert cache slots per layer (default: half the experts)")
-    ap.add_argument("--inserts", type=int, default=0, help="uploads per layer per step (0 = unlimited)")
-    ap.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default: 64)")
-    ap.add_argument("-p", "--prompt", default=demo.DEFAULT_PROMPT)
+#: The description ``pybmoe demo --help`` prints (times: the 2-core project machine, models already written).
+DESCRIPTION = f"""\
+Two parts, on any machine (no GPU or network needed), each checking that its output
+is identical.
+
+1. The expert cache (about 6 s; about 75 s with --route-replay granite): one greedy
+   request on the embedded tiny qwen3moe model (random weights: the text is noise),
+   answered by llama-server with the cache off and on, every layer on a loopback
+   ggml-rpc-server standing in for the GPU and the experts in host memory; the texts
+   must be byte-identical, and the hit rate is reported.
+2. The disk tier (about 30 s): a {demo.STREAM_DEMO_MIB} MiB model under a {demo.STREAM_DEMO_LIMIT_MIB} MiB memory limit,
+   decoded from a cold page cache by stock mmap and by --moe-stream-cache-mb auto;
+   the ratio of their decode speeds is reported (one run each: it swings with the
+   machine's load), and their tokens and logits must be identical.
+
+A first run also writes the two models into the model cache (a few seconds each).
+The results go to stdout; a progress line goes to stderr before each slow step.
+Exit status: 0 when both outputs are identical, 1 when one differs, 2 for a bad
+argument or a run that failed."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``pybmoe demo``: :data:`DESCRIPTION` and every option, each with its help."""
+    ap = argparse.ArgumentParser(prog="pybmoe demo", description=DESCRIPTION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", type=Path,
+                    help="the first part's MoE GGUF (default: the embedded tiny qwen3moe, 4 layers, 16 experts, top-4)")
+    ap.add_argument("--slots", type=int, help="expert cache slots per layer of the cache-on run (default: half the "
+                                              "model's experts)")
+    ap.add_argument("--inserts", type=int, default=0,
+                    help="expert uploads per layer per decode step of the cache-on run (default 0 = unlimited)")
+    ap.add_argument("-n", "--n-predict", type=int, default=64,
+                    help="tokens the first part generates, at least 2 (default: 64)")
+    ap.add_argument("-p", "--prompt", default=demo.DEFAULT_PROMPT,
+                    help="the first part's prompt, a text (default: a sentence about the expert cache); with "
+                         "--route-replay granite the prompt is the trace's prefill length of token ids instead")
     ap.add_argument("--route-replay", metavar="granite|FILE",
                     help="replay real routing: 'granite' = the bundled granite-3.0-1b-a400m trace on a model of its "
                          "shape (24 layers, 32 experts, top-8); or a --moe-trace CSV for the model")
@@ -76,7 +105,13 @@ def main(argv: list[str] | None = None) -> int:
                          "than a memory limit")
     ap.add_argument("--disk-limit-mb", type=int, default=demo.STREAM_DEMO_LIMIT_MIB,
                     help=f"the second part's memory limit, MiB (default {demo.STREAM_DEMO_LIMIT_MIB})")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``pybmoe demo [OPTIONS]`` (:data:`DESCRIPTION`); returns the exit status: 0 when both parts'
+    outputs are identical, 1 when one differs, 2 for a bad argument or a failed run (one line on stderr)."""
+    a = parser().parse_args(argv)
     try:
         check_args(a)
         off, on = run_demo(a.model, a.slots, a.inserts, a.prompt, a.n_predict, route_replay=a.route_replay)
