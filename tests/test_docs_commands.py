@@ -194,12 +194,15 @@ def test_each_big_docs_command_writes_its_model_as_written(doc, cmd, shell_env, 
         assert re.match(r"pybmoe-bw: host_read_gbs=[\d.]+ ", r.stdout), r.stdout
         return
     out = tmp_path / shlex.split(cmd)[1 if cmd.startswith("pybmoe-") else 2]
-    models.check_complete(out)
-    spec = models.read_spec(out)
-    words = shlex.split(cmd)
-    if "--n-expert" in words:
-        assert spec.n_expert == int(words[words.index("--n-expert") + 1])
-        assert spec.n_layer == int(words[words.index("--n-layer") + 1])
+    try:
+        models.check_complete(out)
+        spec = models.read_spec(out)
+        words = shlex.split(cmd)
+        if "--n-expert" in words:
+            assert spec.n_expert == int(words[words.index("--n-expert") + 1])
+            assert spec.n_layer == int(words[words.index("--n-layer") + 1])
+    finally:
+        out.unlink(missing_ok=True)  # gigabytes: pytest keeps its last three temporary folders
 
 
 # --------------------------------------------------------------------------- pybmoe-make-synth's own checks
