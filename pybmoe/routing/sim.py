@@ -601,7 +601,6 @@ def gguf_expert_bytes(model: str | os.PathLike) -> tuple[float, int, int, int]:
     Raises :class:`BudgetError` for a model without expert tensors, :class:`ValueError` for a file
     that is not GGUF or is truncated (tensor data past its end, which llama.cpp refuses to load).
     """
-    import gguf
     from .. import models
     meta = models.read_metadata(model)
     tensors = []
@@ -613,8 +612,7 @@ def gguf_expert_bytes(model: str | os.PathLike) -> tuple[float, int, int, int]:
     for t in tensors:
         if not (t.name.startswith("blk.") and t.name.endswith("_exps.weight")) or len(t.shape) != 3:
             continue
-        block, size = gguf.GGML_QUANT_SIZES[t.qtype]
-        total += int(np.prod(t.shape)) // block * size
+        total += models.tensor_nbytes(t)
         layers.add(t.name.split(".")[1])
         n_expert = int(t.shape[2])
     if not layers:
