@@ -322,11 +322,8 @@ def materialise(src: Source, dst: Path, subdir: str) -> Source:
                 with tarfile.open(fileobj=f) as tf:
                     _extract_under(tf, arch, target)
         stage.mkdir(exist_ok=True)
-        for g in sorted(stage.rglob(".git"), key=lambda q: len(q.parts)):
-            if g.is_dir() and not g.is_symlink():
-                shutil.rmtree(g)
-            elif g.exists() or g.is_symlink():
-                g.unlink()
+        # a directory is copied without .git and git archive writes none, so their digest sees none;
+        # a tarball's .git entries (a submodule link) go with commit_base below
         if src.kind != "tarball":
             src = Source(**{**src.__dict__, "digest": files_digest(stage / subdir)})
         shutil.move(str(stage), dst)
