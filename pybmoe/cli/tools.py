@@ -151,11 +151,3 @@ def exec_pybmoe_logits() -> None:
     """Console entry point ``pybmoe-logits``: exec the logits oracle with all arguments."""
     _exec("pybmoe-logits")
 
-
-if __name__ == "__main__":  # pragma: no cover  (python -m pybmoe.cli.tools NAME ARGS...)
-    name, rest = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
-    mains = {"pybmoe-make-synth": make_synth_main, "pybmoe-bw": bw_main}
-    if name not in mains:
-        print(f"usage: python -m pybmoe.cli.tools {{{','.join(mains)}}} ARGS...", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(mains[name](rest))
