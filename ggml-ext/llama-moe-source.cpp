@@ -268,6 +268,9 @@ bool llama_moe_reader::read_one(lane & ln, const llama_moe_read & job, std::stri
     GGML_UNUSED(ln); GGML_UNUSED(job); GGML_UNUSED(err);
     return false;
 #else
+    if (job.before) {
+        job.before();
+    }
     if (!direct) {
         size_t done = 0;
         while (done < job.nbytes) {

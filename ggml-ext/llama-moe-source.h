@@ -119,6 +119,9 @@ struct llama_moe_read {
     size_t   nbytes;
     void *   dst;
     bool     in_place = false;
+    // run on the lane before the read (the stream tier maps the destination's page frames there, off the
+    // compute thread); may be empty
+    std::function<void()> before;
 };
 
 // Reads ranges of the source files into memory on n_lanes threads at once. With O_DIRECT (the page

@@ -15,6 +15,7 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -170,12 +171,19 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     // an entry commits up to one partial page at each end of each projection beyond its bytes
     const int64_t entry_cost = (int64_t) entry + 2 * page * n_proj_max;
 
-    // the prefetch window (llama-moe-stream.h): with PYBMOE_MOE_STREAM_PREFETCH=1, one whole layer when the
-    // ubatch allows steps that want half of a layer or more (a prefill). Off by default: on a 4 GiB model under
-    // a 1300 MiB limit it gave +12 % prefill and cost auto a layer's worth of budget, -5 to -9 % decode
-    // (docs/stream-tier.md, "Prefetch")
+    // the prefetch window (llama-moe-stream.h), when the ubatch allows steps that want half of a layer or more
+    // (a prefill): by default a quarter of a layer's experts with a fixed budget; with auto, an eighth of the
+    // memory auto sizes from, from a quarter of a layer up to a whole one (on a 4 GiB model under a 1370 MiB
+    // limit: prefill +18 % with a quarter, +27 % with a whole layer; each window entry is one entry less of
+    // auto's budget: docs/stream-tier.md, "Prefetch"). PYBMOE_MOE_STREAM_PREFETCH: 0 off, 1 a whole layer,
+    // N > 1 N experts
     const char * pf_env = getenv("PYBMOE_MOE_STREAM_PREFETCH");
-    const int64_t prefetch = pf_env && atoi(pf_env) == 1 && 2 * min_entries >= n_expert ? n_expert : 0;
+    int64_t prefetch = pf_env ? atoll(pf_env) : -1;
+    const int64_t prefetch_min = (n_expert + 3) / 4;
+    prefetch = prefetch < 0 ? prefetch_min : prefetch == 1 ? n_expert : std::min<int64_t>(prefetch, n_expert);
+    if (2 * min_entries < n_expert) {
+        prefetch = 0;
+    }
 
     const llama_moe_mem_avail m = llama_moe_read_mem_avail();
     st.avail_bytes  = (int64_t) m.avail();
@@ -195,6 +203,11 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         const bool floor_auto = floor_mib == LLAMA_MOE_STREAM_FLOOR_AUTO;
         int64_t floor = floor_auto ? std::clamp<int64_t>(limit / 16, (int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20,
                 (int64_t) LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT << 20) : (int64_t) floor_mib << 20;
+        if (pf_env == nullptr && prefetch > 0) {
+            const int64_t held = ((int64_t) m.avail() - dense - floor) / entry_cost;
+            prefetch = std::clamp<int64_t>(held / 8, prefetch_min, n_expert);
+            st.prefetch_entries = prefetch;
+        }
         const int64_t room = (int64_t) m.avail() - dense - prefetch * entry_cost;
         const int64_t want = room - floor;
         int64_t room_entries = want > 0 ? want / entry_cost : 0; // what the memory holds, before the caps
@@ -300,6 +313,60 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     if (!st.reader.fallback_reason.empty()) {
         LLAMA_LOG_WARN("%s: moe-stream: WARNING %s: reading experts through the page cache (buffered) instead\n",
                 __func__, st.reader.fallback_reason.c_str());
+    }
+    // page frames (llama-moe-frames.h), one pool per projection: an entry's interior pages there in one frame.
+    // Each mapped interior splits its reservation into up to 2 more mappings; the frames stop at a quarter
+    // of vm.max_map_count (65530 by default), so that the process keeps most of it (an entry past that keeps
+    // anonymous pages). PYBMOE_MOE_STREAM_FRAMES=0 turns them off (the A/B of docs/stream-tier.md)
+    {
+#if !defined(_WIN32)
+        const size_t pg = (size_t) sysconf(_SC_PAGESIZE);
+#else
+        const size_t pg = 4096;
+#endif
+        int n_proj_max = 0;
+        for (const auto & l : st.layers) {
+            n_proj_max = std::max(n_proj_max, l.n_proj);
+        }
+        int64_t max_map_count = 65530;
+        if (FILE * f = fopen("/proc/sys/vm/max_map_count", "r")) {
+            long long v = 0;
+            if (fscanf(f, "%lld", &v) == 1 && v > 0) {
+                max_map_count = v;
+            }
+            fclose(f);
+        }
+        const int64_t n_entries  = (int64_t) n_expert * (int64_t) st.layers.size();
+        const int64_t max_frames = std::min<int64_t>(n_entries, max_map_count / 4 / std::max(1, 2 * n_proj_max));
+        const char * fr_env = getenv("PYBMOE_MOE_STREAM_FRAMES");
+        std::string why;
+        size_t frame_bytes = 0;
+        bool on = !(fr_env && atoi(fr_env) == 0);
+        for (int p = 0; on && p < n_proj_max; ++p) {
+            size_t most = 0;
+            for (const auto & l : st.layers) {
+                if (p < l.n_proj) {
+                    most = std::max(most, l.expert_nbytes[p] / pg);
+                }
+            }
+            on = st.frames[p].init(n_entries, most, max_frames, why);
+            frame_bytes += most * pg;
+        }
+        if (!on) {
+            for (auto & f : st.frames) {
+                f.close();
+            }
+        }
+        if (fr_env && atoi(fr_env) == 0) {
+            LLAMA_LOG("%s: moe-stream: page frames off (PYBMOE_MOE_STREAM_FRAMES=0): each miss faults in fresh pages\n", __func__);
+        } else if (on) {
+            LLAMA_LOG("%s: moe-stream: page frames: an evicted expert's %.0f KiB of whole pages go to a later miss (memfd), "
+                    "up to %lld experts (a quarter of vm.max_map_count %lld)\n", __func__, frame_bytes / 1024.0,
+                    (long long) max_frames, (long long) max_map_count);
+        } else {
+            LLAMA_LOG_WARN("%s: moe-stream: WARNING no page frames (%s): each miss faults in fresh pages, which costs CPU\n",
+                    __func__, why.c_str());
+        }
     }
     // only now, with everything in place: the tensors read from the reservations
     for (auto & l : st.layers) {

@@ -45,6 +45,9 @@ void llama_moe_stream::unmap() {
         }
     }
 #endif
+    for (auto & f : frames) {
+        f.close();
+    }
 }
 
 // the stream op's flag "the VRAM tier serves this step" lives in the last int of the node's op_params,
@@ -132,20 +135,33 @@ void llama_moe_stream::wait_unpinned(std::unique_lock<std::mutex> & lock, const 
     });
 }
 
-void llama_moe_stream::release(const std::vector<int32_t> & entries) {
+void llama_moe_stream::interior(int32_t entry, int p, uint8_t * & addr, size_t & len) const {
 #if !defined(_WIN32)
     static const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+#else
+    static const size_t page = 4096;
+#endif
+    const auto & l = layers[entry / lru.n_expert];
+    const size_t e = (size_t) (entry % lru.n_expert);
+    // only the pages that lie wholly inside this expert's bytes: a neighbour may share the others
+    const uintptr_t b0 = (uintptr_t) l.base[p] + e * l.expert_nbytes[p];
+    const uintptr_t b1 = b0 + l.expert_nbytes[p];
+    const uintptr_t p0 = (b0 + page - 1) & ~(uintptr_t) (page - 1);
+    const uintptr_t p1 = b1 & ~(uintptr_t) (page - 1);
+    addr = (uint8_t *) p0;
+    len  = p1 > p0 ? p1 - p0 : 0;
+}
+
+void llama_moe_stream::release(const std::vector<int32_t> & entries) {
+#if !defined(_WIN32)
     for (int32_t entry : entries) {
         const auto & l = layers[entry / lru.n_expert];
-        const size_t e = (size_t) (entry % lru.n_expert);
         for (int p = 0; p < l.n_proj; ++p) {
-            // only the pages that lie wholly inside this expert's bytes: a neighbour may share the others
-            const uintptr_t b0 = (uintptr_t) l.base[p] + e * l.expert_nbytes[p];
-            const uintptr_t b1 = b0 + l.expert_nbytes[p];
-            const uintptr_t p0 = (b0 + page - 1) & ~(uintptr_t) (page - 1);
-            const uintptr_t p1 = b1 & ~(uintptr_t) (page - 1);
-            if (p1 > p0) {
-                madvise((void *) p0, p1 - p0, MADV_DONTNEED);
+            uint8_t * addr = nullptr;
+            size_t    len  = 0;
+            interior(entry, p, addr, len);
+            if (!frames[p].unmap(entry, addr, len) && len > 0) {
+                madvise(addr, len, MADV_DONTNEED);
             }
         }
     }
@@ -290,7 +306,21 @@ std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_l
                 j++;
             }
             const size_t e = (size_t) experts[i];
-            jobs.push_back({ l.src[p].file, l.src[p].offs + e * n, (j - i) * n, l.base[p] + e * n, /*in_place =*/ true });
+            llama_moe_read job { l.src[p].file, l.src[p].offs + e * n, (j - i) * n, l.base[p] + e * n, /*in_place =*/ true, {} };
+            if (frames[p].on()) {
+                const int32_t first = l.li * lru.n_expert + (int32_t) e;
+                const int32_t count = (int32_t) (j - i);
+                llama_moe_stream * self = const_cast<llama_moe_stream *>(this);
+                job.before = [self, p, first, count] {
+                    for (int32_t entry = first; entry < first + count; ++entry) {
+                        uint8_t * addr = nullptr;
+                        size_t    len  = 0;
+                        self->interior(entry, p, addr, len);
+                        self->frames[p].map(entry, addr, len);
+                    }
+                };
+            }
+            jobs.push_back(std::move(job));
             nbytes += (j - i) * n;
             i = j;
         }
@@ -412,6 +442,9 @@ int64_t llama_moe_stream::resize(int64_t want) {
         wait_unpinned(lock_st, evicted); // an upload started after the last generation may still read one
     }
     release(evicted);
+    for (auto & f : frames) {
+        f.trim(); // the process's memory drops with the budget
+    }
     LLAMA_LOG("%s: moe-stream: budget %lld MiB now (%lld experts resident, %zu evicted)\n", __func__,
             (long long) (want >> 20), (long long) lru.n_resident, evicted.size());
     return want;

@@ -13,6 +13,7 @@
 // (llama-moe-source.h) or the VRAM tier (llama-moe-vram.h; with both on, the experts resident on a
 // device are computed there and not streamed).
 
+#include "llama-moe-frames.h"
 #include "llama-moe-residency.h"
 #include "llama-moe-source.h"
 #include "llama-moe-vram.h"
@@ -174,11 +175,21 @@ struct llama_moe_stream {
     // VRAM tier serves this step (its graph has the cache chain), so its residents are not looked up
     void step(const llama_moe_cache & owner, int32_t li, const ggml_tensor * ids, bool vram_served);
 
-    // drops entries' bytes (whole pages inside the expert's range go back to the kernel)
+    // the page frames the resident entries' interior pages live in, one pool per projection
+    // (llama-moe-frames.h); off: every entry's pages are the reservation's own, faulted in at a miss
+    // and given back at an eviction. The read lanes map an entry's frames just before they read it
+    // (read_jobs), the compute thread gives them back (release)
+    llama_moe_frames frames[LLAMA_MOE_N_PROJ];
+
+    // entry's interior in projection p: the whole pages inside its bytes (their ends may share a page
+    // with a neighbour); len 0 when there is none
+    void interior(int32_t entry, int p, uint8_t * & addr, size_t & len) const;
+
+    // drops entries' bytes: their interiors go back to the kernel, or their frames to the free list
     void release(const std::vector<int32_t> & entries);
 
     // the reads of layer li's experts `experts` (sorted) into their places, one per run of consecutive
-    // ids cut at ~8 MiB; adds their bytes to nbytes
+    // ids cut at ~8 MiB, each mapping its experts' page frames first; adds their bytes to nbytes
     std::vector<llama_moe_read> read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
                                           size_t & nbytes) const;
 

@@ -6,6 +6,7 @@ target_sources(llama PRIVATE
     ${PYBMOE_EXT_DIR}/llama-moe-memory.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-residency.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-source.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-frames.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-vram.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-vram-init.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-stream.cpp

@@ -181,21 +181,27 @@ def test_dense_auto_picks_anon_only_when_the_gguf_does_not_fit_and_stays_exact(m
 
 
 def test_prefetch_changes_no_hit_and_no_logit(tmp_path):
-    """With PYBMOE_MOE_STREAM_PREFETCH=1 at ubatch 16 (a step can want half the layer) the next layer's
-    experts are read while a prefill step computes; the hits per layer, the tokens and the logits are
-    those of the same run without it (the default)."""
+    """At ubatch 16 (a step can want half the layer) the next layer's experts are read while a prefill
+    step computes: by default a window of a quarter of a layer (a fixed budget), with
+    PYBMOE_MOE_STREAM_PREFETCH=1 a whole layer; the hits per layer, the tokens and the logits are those
+    of the same run with it off (PYBMOE_MOE_STREAM_PREFETCH=0)."""
     # three layers: the last one computes only the output rows, so the prefetch into layer 1 is the one used
     model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **{**SHAPE, "n_layer": 3}))
-    env_on = {**os.environ, "PYBMOE_MOE_STREAM_PREFETCH": "1"}
-    env_off = {k: v for k, v in os.environ.items() if k != "PYBMOE_MOE_STREAM_PREFETCH"}
+    base = {k: v for k, v in os.environ.items() if k != "PYBMOE_MOE_STREAM_PREFETCH"}
     args = ["-ngl", "0", "--no-repack", "-ub", "16", "-b", "256", "--moe-stream-cache-mb", "10"]
     prompt = " ".join(f"word{i}" for i in range(60))  # several ubatches of 16 tokens
-    on = engine.run_logits(model, tmp_path / "pf-on.bin", args, prompt=prompt, n_predict=4, ctx=256, env=env_on)
-    off = engine.run_logits(model, tmp_path / "pf-off.bin", args, prompt=prompt, n_predict=4, ctx=256, env=env_off)
-    assert "prefetch_experts=16" in on.log and "prefetch_experts=0" in off.log
-    used = re.search(r"prefetched ([\d.]+) MiB \(([\d.]+) MiB of it used\)", on.log)
-    assert used and float(used.group(2)) > 0, on.log[-2000:]
-    assert on.stream_layers == off.stream_layers and on.tokens == off.tokens and on.logits == off.logits
+    runs = {}
+    for name, env, window in (("whole", {"PYBMOE_MOE_STREAM_PREFETCH": "1"}, 16), ("default", {}, 4),
+                              ("off", {"PYBMOE_MOE_STREAM_PREFETCH": "0"}, 0)):
+        r = engine.run_logits(model, tmp_path / f"pf-{name}.bin", args, prompt=prompt, n_predict=4, ctx=256,
+                              env={**base, **env})
+        assert re.search(rf"prefetch_experts={window}$", r.log, re.M), name
+        runs[name] = r
+    for name in ("whole", "default"):
+        used = re.search(r"prefetched ([\d.]+) MiB \(([\d.]+) MiB of it used\)", runs[name].log)
+        assert used and float(used.group(2)) > 0, runs[name].log[-2000:]
+        r, off = runs[name], runs["off"]
+        assert r.stream_layers == off.stream_layers and r.tokens == off.tokens and r.logits == off.logits, name
 
 
 LOAD_SCRIPT = r"""
