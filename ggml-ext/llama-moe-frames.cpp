@@ -13,6 +13,17 @@
 #include <unistd.h>
 #endif
 
+#if defined(__linux__)
+// maps [addr, addr + len) back to uncommitted anonymous memory; a reservation with a hole would fault when
+// read, so a failure stops here with what was being done
+static void llama_moe_frames_to_anon(uint8_t * addr, size_t len, const char * what) {
+    if (len != 0 && mmap(addr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
+        fprintf(stderr, "llama_moe_frames: cannot %s: %s\n", what, strerror(errno));
+        abort();
+    }
+}
+#endif
+
 bool llama_moe_frames::init(int64_t n_entries, size_t frame_pages, int64_t max_frames, std::string & err) {
     close();
 #if defined(__linux__) && defined(MFD_CLOEXEC)
@@ -65,11 +76,7 @@ bool llama_moe_frames::map(int32_t entry, uint8_t * addr, size_t len) {
     if (mmap(addr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd, (off_t) f * (off_t) frame_bytes) == MAP_FAILED) {
         // back to anonymous memory (a failed MAP_FIXED may have unmapped the range); the entry then faults
         // its pages in as without frames
-        if (mmap(addr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
-            // note: the reservation has a hole now; reading it would fault, so stop here
-            fprintf(stderr, "llama_moe_frames: cannot restore an expert's anonymous memory: %s\n", strerror(errno));
-            abort();
-        }
+        llama_moe_frames_to_anon(addr, len, "restore an expert's anonymous memory");
         std::lock_guard<std::mutex> lock(mutex);
         frame_of[entry] = -1;
         n_used--;
@@ -95,10 +102,7 @@ bool llama_moe_frames::unmap(int32_t entry, uint8_t * addr, size_t len) {
         frame_of[entry] = -1;
         n_used--;
     }
-    if (len != 0 && mmap(addr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
-        fprintf(stderr, "llama_moe_frames: cannot give an expert's frame back: %s\n", strerror(errno));
-        abort();
-    }
+    llama_moe_frames_to_anon(addr, len, "give an expert's frame back");
     std::lock_guard<std::mutex> lock(mutex);
     free_list.push_back(f);
     return true;
