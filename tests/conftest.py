@@ -78,6 +78,9 @@ SLOW: dict[str, str | set[str]] = {
         "test_sweep_cache_columns",
         "test_sweep_summary_and_plots",
     },
+    "tests/bench/test_disk_probe.py": {  # 17 s per case beside a build (gguf's reader parses the real vocab)
+        "test_the_probe_reads_distinct_expert_windows_of_the_file",
+    },
     "tests/bench/test_bench_stream.py": {  # one module fixture runs the benchmark: 17 s
         "test_every_point_and_mode_ran_and_was_written",
         "test_the_stream_points_carry_the_tiers_figures_and_mmap_none",

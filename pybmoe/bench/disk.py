@@ -2,11 +2,14 @@
 read lanes, into fresh anonymous memory (:func:`probe`).
 
 The stream tier reads each missed expert's projections (up, gate, down) from the GGUF with O_DIRECT,
-straight into its place in an anonymous reservation whose pages were given back when the expert
-before it was evicted; so a read costs the device's time for that size, on 4 lanes, plus the kernel's
-time to fault in and zero fresh pages. The probe does exactly that on the model's own file: random
-expert projections (distinct, from the expert tensors of the file), each into a newly mapped
-anonymous buffer, on ``lanes`` threads, and reports MiB/s. It is the disk bandwidth
+straight into its place in the reservation, on 4 lanes. With its page frames (the default,
+``docs/stream-tier.md``, "Page frames") that place holds pages an evicted expert gave back, already
+allocated, so a read costs the device's time for that size; with ``PYBMOE_MOE_STREAM_FRAMES=0`` the
+pages are fresh and the kernel's time to fault in and zero them adds to it (1.05 s of CPU per 2 GiB
+here, against 0.09 s into mapped pages). The probe does the same on the model's own file: random
+expert projections (distinct, from the expert tensors of the file), on ``lanes`` threads, each lane
+into one buffer it reuses (``fresh=False``, the frames) or into a newly mapped anonymous buffer per
+read (``fresh=True``), and reports MiB/s. It is the disk bandwidth
 :func:`pybmoe.routing.sizing.predict_stream` wants (``pybmoe size --disk-mib-s``), measured at the
 tier's own read size. The page cache plays no part (O_DIRECT), so no root is needed; run it on a
 quiet machine, in the same session as the benchmark it explains (these disks vary 0.8 - 2 GB/s from
@@ -33,7 +36,8 @@ ALIGN = 4096
 @dataclass(frozen=True)
 class DiskProbe:
     """One probe: ``mib_s`` MiB/s over ``reads`` reads of ``read_bytes`` bytes (the aligned window around
-    one expert projection) on ``lanes`` threads, ``direct`` (O_DIRECT) or buffered."""
+    one expert projection) on ``lanes`` threads, ``direct`` (O_DIRECT) or buffered, into ``fresh`` pages
+    per read or one reused buffer per lane."""
 
     mib_s: float
     read_bytes: int
@@ -41,6 +45,7 @@ class DiskProbe:
     reads: int
     seconds: float
     direct: bool
+    fresh: bool = False
 
 
 def expert_windows(model: str | os.PathLike) -> tuple[list[tuple[int, int]], int]:
@@ -65,7 +70,8 @@ def expert_windows(model: str | os.PathLike) -> tuple[list[tuple[int, int]], int
     return out, size
 
 
-def probe(model: str | os.PathLike, *, lanes: int = 4, total_mib: float = 256.0, seed: int = 0) -> DiskProbe:
+def probe(model: str | os.PathLike, *, lanes: int = 4, total_mib: float = 256.0, seed: int = 0,
+          fresh: bool = False) -> DiskProbe:
     """Reads about ``total_mib`` MiB of distinct random expert projections of ``model`` as the stream
     tier does (module doc) and returns the bandwidth. Raises :class:`ValueError` for ``lanes`` outside
     1 .. 64 or ``total_mib`` <= 0, or a file without expert tensors."""
@@ -84,12 +90,21 @@ def probe(model: str | os.PathLike, *, lanes: int = 4, total_mib: float = 256.0,
 
     def lane(part: list[tuple[int, int]]) -> int:
         got = 0
-        for off, length in part:
-            buf = mmap.mmap(-1, length)  # fresh anonymous pages, as an admitted expert's place
-            try:
-                got += os.preadv(fd, [memoryview(buf)], off)
-            finally:
-                buf.close()
+        kept = None
+        if not fresh:  # one buffer per lane, its pages allocated once and then reused, as a frame's
+            kept = mmap.mmap(-1, size)
+            kept.write(b"\0" * size)
+        try:
+            for off, length in part:
+                buf = mmap.mmap(-1, length) if fresh else kept  # fresh: an admitted expert's place without frames
+                try:
+                    got += os.preadv(fd, [memoryview(buf)[:length]], off)
+                finally:
+                    if fresh:
+                        buf.close()
+        finally:
+            if kept is not None:
+                kept.close()
         return got
 
     try:
@@ -99,4 +114,4 @@ def probe(model: str | os.PathLike, *, lanes: int = 4, total_mib: float = 256.0,
         dt = time.perf_counter() - t0
     finally:
         os.close(fd)
-    return DiskProbe(total / MIB / dt, size, lanes, n, dt, direct)
+    return DiskProbe(total / MIB / dt, size, lanes, n, dt, direct, fresh)
