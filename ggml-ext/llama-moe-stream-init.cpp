@@ -319,15 +319,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     // of vm.max_map_count (65530 by default), so that the process keeps most of it (an entry past that keeps
     // anonymous pages). PYBMOE_MOE_STREAM_FRAMES=0 turns them off (the A/B of docs/stream-tier.md)
     {
-#if !defined(_WIN32)
-        const size_t pg = (size_t) sysconf(_SC_PAGESIZE);
-#else
-        const size_t pg = 4096;
-#endif
-        int n_proj_max = 0;
-        for (const auto & l : st.layers) {
-            n_proj_max = std::max(n_proj_max, l.n_proj);
-        }
+        const size_t pg = (size_t) page;
         int64_t max_map_count = 65530;
         if (FILE * f = fopen("/proc/sys/vm/max_map_count", "r")) {
             long long v = 0;
@@ -339,9 +331,10 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         const int64_t n_entries  = (int64_t) n_expert * (int64_t) st.layers.size();
         const int64_t max_frames = std::min<int64_t>(n_entries, max_map_count / 4 / std::max(1, 2 * n_proj_max));
         const char * fr_env = getenv("PYBMOE_MOE_STREAM_FRAMES");
+        const bool   fr_off = fr_env && atoi(fr_env) == 0;
         std::string why;
         size_t frame_bytes = 0;
-        bool on = !(fr_env && atoi(fr_env) == 0);
+        bool on = !fr_off;
         for (int p = 0; on && p < n_proj_max; ++p) {
             size_t most = 0;
             for (const auto & l : st.layers) {
@@ -357,7 +350,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                 f.close();
             }
         }
-        if (fr_env && atoi(fr_env) == 0) {
+        if (fr_off) {
             LLAMA_LOG("%s: moe-stream: page frames off (PYBMOE_MOE_STREAM_FRAMES=0): each miss faults in fresh pages\n", __func__);
         } else if (on) {
             LLAMA_LOG("%s: moe-stream: page frames: an evicted expert's %.0f KiB of whole pages go to a later miss (memfd), "

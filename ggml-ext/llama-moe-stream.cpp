@@ -293,7 +293,7 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
 }
 
 std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
-                                                         size_t & nbytes) const {
+                                                         size_t & nbytes) {
     // one read per run of consecutive expert ids (they are adjacent in the file and in the reservation; a
     // prefill step wants most of a layer), cut into reads of at most ~8 MiB so that the lanes share the work
     std::vector<llama_moe_read> jobs;
@@ -310,7 +310,7 @@ std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_l
             if (frames[p].on()) {
                 const int32_t first = l.li * lru.n_expert + (int32_t) e;
                 const int32_t count = (int32_t) (j - i);
-                llama_moe_stream * self = const_cast<llama_moe_stream *>(this);
+                llama_moe_stream * self = this;
                 job.before = [self, p, first, count] {
                     for (int32_t entry = first; entry < first + count; ++entry) {
                         uint8_t * addr = nullptr;

@@ -191,7 +191,7 @@ struct llama_moe_stream {
     // the reads of layer li's experts `experts` (sorted) into their places, one per run of consecutive
     // ids cut at ~8 MiB, each mapping its experts' page frames first; adds their bytes to nbytes
     std::vector<llama_moe_read> read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
-                                          size_t & nbytes) const;
+                                          size_t & nbytes);
 
     uint32_t n_graph_nodes() const {
         return (uint32_t) layers.size();

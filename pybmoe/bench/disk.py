@@ -89,23 +89,15 @@ def probe(model: str | os.PathLike, *, lanes: int = 4, total_mib: float = 256.0,
         fd = os.open(str(model), os.O_RDONLY)
 
     def lane(part: list[tuple[int, int]]) -> int:
-        got = 0
-        kept = None
-        if not fresh:  # one buffer per lane, its pages allocated once and then reused, as a frame's
-            kept = mmap.mmap(-1, size)
-            kept.write(b"\0" * size)
-        try:
+        if fresh:  # each read into newly mapped anonymous pages: an admitted expert's place without frames
+            got = 0
             for off, length in part:
-                buf = mmap.mmap(-1, length) if fresh else kept  # fresh: an admitted expert's place without frames
-                try:
-                    got += os.preadv(fd, [memoryview(buf)[:length]], off)
-                finally:
-                    if fresh:
-                        buf.close()
-        finally:
-            if kept is not None:
-                kept.close()
-        return got
+                with mmap.mmap(-1, length) as buf:
+                    got += os.preadv(fd, [memoryview(buf)], off)
+            return got
+        with mmap.mmap(-1, size) as buf:  # one buffer per lane, its pages allocated once, as a frame's
+            buf.write(bytes(size))
+            return sum(os.preadv(fd, [memoryview(buf)[:length]], off) for off, length in part)
 
     try:
         t0 = time.perf_counter()
