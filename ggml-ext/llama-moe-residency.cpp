@@ -238,8 +238,10 @@ void llama_moe_lru::init(int32_t n_layer_, int32_t n_expert_, int64_t capacity_)
     next.assign(n, -1);
     resident.assign(n, 0);
     need.assign(n, 0);
+    cold.assign(n, 0);
     head = tail = -1;
     gen  = 0;
+    n_scan_steps = 0;
 }
 
 void llama_moe_lru::unlink(int32_t e) {
@@ -255,23 +257,38 @@ void llama_moe_lru::push_front(int32_t e) {
     head = e;
 }
 
+void llama_moe_lru::push_back(int32_t e) {
+    next[e] = -1;
+    prev[e] = tail;
+    if (tail >= 0) { next[tail] = e; } else { head = e; }
+    tail = e;
+}
+
 void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vector<int8_t> & hit,
                          std::vector<int32_t> & admitted, std::vector<int32_t> & evicted) {
     LLAMA_MOE_RES_ASSERT(layer >= 0 && layer < n_layer);
     gen++;
     const int32_t base = layer * n_expert;
+    int64_t n_distinct = 0;
     for (int64_t i = 0; i < n; ++i) {
         LLAMA_MOE_RES_ASSERT(ids[i] >= 0 && ids[i] < n_expert);
+        n_distinct += need[base + ids[i]] != gen;
         need[base + ids[i]] = gen; // never evicted by this step
     }
+    // the scan guard: a step that wants half of its layer or more (a prefill's), and a pass of such steps
+    // does not fit in the capacity
+    const bool scan = scan_guard && 2 * n_distinct >= n_expert && n_distinct * n_layer > capacity;
+    n_scan_steps += scan;
     hit.resize(n);
     for (int64_t i = 0; i < n; ++i) {
         const int32_t e = base + ids[i];
         if (resident[e]) {
             hits++;
             hit[i] = 1;
-            unlink(e);
-            push_front(e);
+            if (!scan || cold[e] != gen) { // an entry this scan admitted stays at the least recent end
+                unlink(e);
+                push_front(e);
+            }
             continue;
         }
         misses++;
@@ -292,7 +309,12 @@ void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vec
         }
         resident[e] = 1;
         n_resident++;
-        push_front(e);
+        if (scan) {
+            cold[e] = gen;
+            push_back(e);
+        } else {
+            push_front(e);
+        }
         admitted.push_back(e);
     }
 }

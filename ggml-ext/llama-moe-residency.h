@@ -142,6 +142,16 @@ private:
 // the step does not need, then enters as the most recent. There is no lag: the tier reads an
 // admitted entry's bytes before the step's computation runs. pybmoe.routing.sim replays the same
 // rule ("global-lru"); the capacity must hold the largest step (llama_moe_lru::step asserts it).
+//
+// The scan guard (scan_guard, on by default: "global-lru-scan" in pybmoe.routing.sim): a step that
+// wants at least half of its layer's experts and whose distinct experts times the streamed layers
+// exceed the capacity (a scan: a pass of such steps, a prefill, would flush the whole cache before it
+// came back to this layer, so plain LRU keeps none of it) admits its misses at the least recent end instead, in router rank order, each behind the last; a repeated
+// lookup of such an entry in the same step does not move it. Its hits of entries resident before the
+// step still become the most recent. So a prefill's misses evict each other, the next layer's step
+// first, and the residents it hits (those of earlier passes, and decode's) stay: a pass reads what
+// the budget cannot hold, not the whole pass. Other steps (decode, whose next token reuses its experts,
+// small ubatches, any step whose pass fits) are plain LRU.
 struct llama_moe_lru {
     int32_t  n_layer    = 0;
     int32_t  n_expert   = 0;
@@ -160,6 +170,10 @@ struct llama_moe_lru {
     int32_t  tail = -1;             // least recent
     uint64_t gen  = 0;              // steps so far
 
+    bool     scan_guard   = true;   // see above; false: plain global LRU ("global-lru")
+    uint64_t n_scan_steps = 0;      // steps the guard admitted at the least recent end
+    std::vector<uint64_t> cold;     // [n_entries] the step that admitted the entry at the least recent end
+
     void init(int32_t n_layer, int32_t n_expert, int64_t capacity);
 
     // one layer step: ids[0 .. n) in router order (token-major, rank-minor). hit[i] is 1 for a hit
@@ -174,4 +188,5 @@ struct llama_moe_lru {
 private:
     void unlink(int32_t e);
     void push_front(int32_t e);
+    void push_back(int32_t e);
 };

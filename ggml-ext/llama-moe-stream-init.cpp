@@ -52,6 +52,14 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     if (budget_mib == 0) {
         return 0;
     }
+    // the policy: global LRU with the scan guard (llama-moe-residency.h), or plain global LRU
+    const char * pol_env = getenv("PYBMOE_MOE_STREAM_POLICY");
+    const std::string policy = pol_env && *pol_env ? pol_env : "global-lru-scan";
+    if (policy != "global-lru-scan" && policy != "global-lru") {
+        LLAMA_LOG_ERROR("%s: moe-stream: PYBMOE_MOE_STREAM_POLICY=%s; accepted: global-lru-scan (the default), global-lru\n",
+                __func__, policy.c_str());
+        return -1;
+    }
     const auto & hp = model->hparams;
     if (hp.n_expert == 0) {
         LLAMA_LOG_WARN("%s: moe-stream: model has no MoE layers; --moe-stream-cache-mb is inert\n", __func__);
@@ -373,6 +381,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     st.total_bytes  = total;
     st.n_ubatch     = n_ubatch;
     st.lru.init((int32_t) st.layers.size(), n_expert, budget / (int64_t) entry);
+    st.lru.scan_guard = policy == "global-lru-scan";
 #if !defined(_WIN32)
     rusage ru = {};
     getrusage(RUSAGE_SELF, &ru);
@@ -380,9 +389,10 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
 #endif
 
     LLAMA_LOG("%s: moe-stream: %zu of %d MoE layers stream their experts from %s%s: budget %.1f MiB (%lld experts of "
-            "%.3f MiB), %d read lanes, %s; streamed experts keep the GGUF layout (no CPU repack)\n", __func__,
+            "%.3f MiB), policy %s, %d read lanes, %s; streamed experts keep the GGUF layout (no CPU repack)\n", __func__,
             st.layers.size(), n_moe, mc->sources.paths[0].c_str(), mc->sources.paths.size() > 1 ? " and its splits" : "",
-            budget / mib, (long long) st.lru.capacity, entry / mib, st.reader.n_lanes, st.reader.direct ? "O_DIRECT" : "buffered");
+            budget / mib, (long long) st.lru.capacity, entry / mib, policy.c_str(), st.reader.n_lanes,
+            st.reader.direct ? "O_DIRECT" : "buffered");
     // the preamble: one line, key=value (pybmoe.engine parses it)
     LLAMA_LOG("moe-stream-preamble: layers=%zu n_expert=%d top_k=%d budget_mb=%.2f cache_cycle_mb=%.2f layer_demand_mb=%.2f "
             "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f prefetch_experts=%lld\n", st.layers.size(), n_expert, n_used,

@@ -51,7 +51,7 @@ def hit_rate_plot(df: pd.DataFrame, path: str | os.PathLike, *, n_layer: int, to
     cycle = token_cycle(n_layer, top_k, n_expert)
     fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
     styles = {"layer-lru": ("C0", "o"), "global-lru": ("C1", "s"), "fifo": ("C2", "^"), "lfu": ("C3", "v"),
-              "belady": ("C4", "D"), "static": ("C5", "x")}
+              "belady": ("C4", "D"), "static": ("C5", "x"), "global-lru-scan": ("C6", "P")}
     for policy in dict.fromkeys(df["policy"]):
         g = p[p["policy"] == policy]
         color, marker = styles.get(policy, (None, "."))

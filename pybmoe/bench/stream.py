@@ -69,18 +69,21 @@ MODES = ("pp", "tg")
 
 @dataclass(frozen=True)
 class StreamPoint:
-    """One configuration: ``kind`` ``mmap`` | ``stream`` | ``resident``; ``budget`` the stream
-    budget (MiB as a string, or ``auto``)."""
+    """One configuration: ``kind`` ``mmap`` | ``stream`` | ``defaults`` | ``resident``; ``budget``
+    the stream budget (MiB as a string, or ``auto``); ``policy`` the tier's policy through
+    ``PYBMOE_MOE_STREAM_POLICY`` ("" leaves the engine's default, ``global-lru-scan``)."""
 
     kind: str
     budget: str = ""
     dense: str = "auto"
+    policy: str = ""
 
     @property
     def name(self) -> str:
+        suffix = f"/{self.policy}" if self.policy else ""
         if self.kind != "stream":
-            return self.kind
-        return f"stream:{self.budget}" + (f"+{self.dense}" if self.dense != "auto" else "")
+            return self.kind + suffix
+        return f"stream:{self.budget}" + (f"+{self.dense}" if self.dense != "auto" else "") + suffix
 
     @property
     def limited(self) -> bool:
@@ -163,8 +166,9 @@ def run_point(model: Path, point: StreamPoint, mode: str, *, limit: memlimit.Mem
     if limit is not None and point.limited:
         limit.reset_peak()
         cmd = limit.wrap(cmd)
+    env = {**os.environ, "PYBMOE_MOE_STREAM_POLICY": point.policy} if point.policy else None
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text(r.stderr)

@@ -62,8 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Replay expert-cache policies over a routing trace (engine CSV, Parquet, granite JSON or "
                     "JSONL route log). Each workload starts cold. Give exactly one kind of budget; each takes "
                     "one value, a list A,B,C or a range START:STOP[:STEP].",
-        epilog="Policies: layer-lru (the engine's policy, exactly: lag, staging, insert cap), global-lru, fifo, "
-               "lfu, belady (oracle), static (in-sample hot set). See docs/traces.md.")
+        epilog="Policies: layer-lru (the VRAM tier's policy, exactly: lag, staging, insert cap), global-lru-scan "
+               "(the disk tier's, exactly: global LRU whose scans, steps too big for a pass to fit, enter at the "
+               "least recent end), global-lru, fifo, lfu, belady (oracle), static (in-sample hot set). "
+               "See docs/traces.md.")
     ap.add_argument("trace", type=Path, help="trace file, or granite (the bundled granite-3.0-1b-a400m trace)")
     ap.add_argument("--policy", default="layer-lru",
                     help=f"one or more of {', '.join(sim.POLICIES)} (comma-separated) or 'all' (default %(default)s)")

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.disk_mib_s = pr.mib_s
             print(f"disk probe: {pr.mib_s:.0f} MiB/s ({pr.reads} reads of {pr.read_bytes / sizing.MIB:.2f} MiB on "
                   f"{pr.lanes} lanes, {'O_DIRECT' if pr.direct else 'buffered'}, {pr.seconds:.1f} s)")
-        print("stream tier (global-lru over the trace's decode lookups; a token = compute + "
+        print(f"stream tier ({sim.STREAM_POLICY} over the trace's decode lookups; a token = compute + "
               f"{a.step_overhead_ms:g} ms per layer step + its misses read at {a.disk_mib_s:.0f} MiB/s):")
         for mb in a.stream_mb:
             try:

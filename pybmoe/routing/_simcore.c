@@ -7,7 +7,7 @@
 //   pybmoe_sim_layer_lru_admit <-> sim._layer_lru_py the engine's per-layer policy, with its upload lag,
 //                                                 and an admission rule (always / second miss)
 //   pybmoe_sim_layer_lru  (the same with admission always and two counters, for older callers)
-//   pybmoe_sim_global     <->  sim._global_py      global-lru, fifo, lfu, belady over (layer, expert)
+//   pybmoe_sim_global     <->  sim._global_py      global-lru(-scan), fifo, lfu, belady over (layer, expert)
 //
 // The event stream is cut into units: a unit is one layer's lookups in one ubatch (all its
 // tokens, router order), `unit_start[u] .. unit_start[u + 1]` in the event arrays. A unit flagged
@@ -23,13 +23,14 @@
 #define SIM_SERVED 1
 #define SIM_RESET  2
 
-enum { SIM_GLOBAL_LRU = 0, SIM_FIFO = 1, SIM_LFU = 2, SIM_BELADY = 3 };
+enum { SIM_GLOBAL_LRU = 0, SIM_FIFO = 1, SIM_LFU = 2, SIM_BELADY = 3, SIM_GLOBAL_LRU_SCAN = 4 };
 
 enum { SIM_OK = 0, SIM_ENOMEM = -1, SIM_EINVAL = -2 };
 
 int32_t pybmoe_simcore_version(void) {
-    return 3; // 2: global-lru takes a step's lookups in router rank order (recency per lookup)
+    return 4; // 2: global-lru takes a step's lookups in router rank order (recency per lookup)
               // 3: layer-lru's admission rule (pybmoe_sim_layer_lru_admit) and wasted uploads
+              // 4: global-lru-scan, and pybmoe_sim_global's n_layer
 }
 
 // ---------------------------------------------------------------- indexed min-heap of ids
@@ -297,6 +298,12 @@ int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const 
 //   lfu (units that needed it since admission, last unit, id)
 //   belady (-next unit that needs it, id); the incoming entry is bypassed when its own next
 //   use is no sooner than the victim's.
+//   global-lru-scan: global-lru, but a unit that wants at least half of its layer's experts
+//   (n_entries / n_layer) and whose distinct entries times n_layer exceed the capacity (a scan:
+//   a pass of such units would flush the cache) admits its misses at the
+//   minimum end, each below the last (the engine's llama_moe_lru scan guard); their repeated
+//   lookups in the unit do not move them, the unit's hits of earlier residents move as in
+//   global-lru.
 //
 // No heap: each policy keeps its residents in key order where the minimum is at hand (lists
 // for global-lru and fifo, frequency buckets for lfu, next-use buckets under a bit tree for
@@ -382,8 +389,19 @@ static inline void dl_append(int32_t * prv, int32_t * nxt, int32_t s, int32_t x)
     prv[s] = x;
 }
 
-static int32_t sim_list(int is_lru, int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
-                        const int32_t * entry, int32_t n_entries, int64_t capacity, int8_t * out, int64_t * counters) {
+static inline void dl_prepend(int32_t * prv, int32_t * nxt, int32_t s, int32_t x) {
+    const int32_t n = nxt[s];
+    prv[n] = x;
+    nxt[x] = n;
+    prv[x] = s;
+    nxt[s] = x;
+}
+
+// is_lru: recency order (global-lru); scan_layers > 0: with the scan guard over that many layers of
+// n_entries / scan_layers experts each
+static int32_t sim_list(int is_lru, int64_t scan_layers, int64_t n_units, const int64_t * unit_start,
+                        const uint8_t * unit_flags, const int32_t * entry, int32_t n_entries, int64_t capacity,
+                        int8_t * out, int64_t * counters) {
     gstate g;
     int rc = gstate_init(&g, n_entries);
     int32_t * prv = malloc(sizeof(int32_t) * ((size_t) n_entries + 1));
@@ -406,6 +424,14 @@ static int32_t sim_list(int is_lru, int64_t n_units, const int64_t * unit_start,
         const int64_t b = unit_start[u], end = unit_start[u + 1];
         const int64_t tag = u + 1;
         const int dup = unit_answer(&g, b, end, entry, tag, out);
+        int scan = 0;
+        if (scan_layers > 0) {
+            int64_t n_distinct = 0;
+            for (int64_t i = b; i < end; ++i) {
+                n_distinct += g.first_ev[entry[i]] == i;
+            }
+            scan = 2 * n_distinct >= n_entries / scan_layers && n_distinct * scan_layers > capacity;
+        }
         // pass 2: admit the missed entries in order of first appearance
         int32_t cur = -1, n_adm = 0;
         for (int64_t i = b; i < end && capacity > 0; ++i) {
@@ -432,7 +458,9 @@ static int32_t sim_list(int is_lru, int64_t n_units, const int64_t * unit_start,
             g.resident[e] = 1;
             n_res++;
             counters[0]++;
-            if (is_lru) {
+            if (scan) {
+                dl_prepend(prv, nxt, S, e); // at the minimum end, below the unit's earlier admissions
+            } else if (is_lru) {
                 dl_append(prv, nxt, S, e); // its place is set below
             } else {
                 sorted_put(&g, n_adm++, e);
@@ -445,6 +473,9 @@ static int32_t sim_list(int is_lru, int64_t n_units, const int64_t * unit_start,
             // recency per lookup, in rank order: each lookup of a resident entry takes it to the tail
             for (int64_t i = b; i < end; ++i) {
                 const int32_t e = entry[i];
+                if (scan && out[g.first_ev[e]] == 0) {
+                    continue; // admitted by this scan (its first lookup missed): it stays at the minimum end
+                }
                 if (g.resident[e] && nxt[e] != S) {
                     dl_unlink(prv, nxt, e);
                     dl_append(prv, nxt, S, e);
@@ -856,10 +887,12 @@ done:
     return rc;
 }
 
+// n_layer: the layers the entries span (global-lru-scan's guard; the others ignore it)
 int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
-                          const int32_t * entry, int32_t n_entries, int64_t capacity, int8_t * out,
+                          const int32_t * entry, int32_t n_entries, int64_t capacity, int32_t n_layer, int8_t * out,
                           int64_t * counters) {
-    if (policy < SIM_GLOBAL_LRU || policy > SIM_BELADY || n_units < 0 || n_entries <= 0 || capacity < 0) {
+    if (policy < SIM_GLOBAL_LRU || policy > SIM_GLOBAL_LRU_SCAN || n_units < 0 || n_entries <= 0 || capacity < 0 ||
+        (policy == SIM_GLOBAL_LRU_SCAN && n_layer < 1)) {
         return SIM_EINVAL;
     }
     if (capacity > n_entries) {
@@ -868,8 +901,10 @@ int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_
     const int64_t * st = unit_start;
     const uint8_t * fl = unit_flags;
     switch (policy) {
-        case SIM_GLOBAL_LRU: return sim_list(1, n_units, st, fl, entry, n_entries, capacity, out, counters);
-        case SIM_FIFO:       return sim_list(0, n_units, st, fl, entry, n_entries, capacity, out, counters);
+        case SIM_GLOBAL_LRU: return sim_list(1, 0, n_units, st, fl, entry, n_entries, capacity, out, counters);
+        case SIM_GLOBAL_LRU_SCAN:
+                             return sim_list(1, n_layer, n_units, st, fl, entry, n_entries, capacity, out, counters);
+        case SIM_FIFO:       return sim_list(0, 0, n_units, st, fl, entry, n_entries, capacity, out, counters);
         case SIM_LFU:        return sim_lfu(n_units, st, fl, entry, n_entries, capacity, out, counters);
         default:             return sim_belady(n_units, st, fl, entry, n_entries, capacity, out, counters);
     }

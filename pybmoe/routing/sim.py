@@ -15,7 +15,7 @@ Policies (:data:`POLICIES`; the rules are spelled out in ``docs/traces.md``):
     :data:`ADMISSIONS`) decides which misses are uploaded: ``always`` (the engine today) or
     ``second-miss`` (only an expert that also missed within the last ``admit_window`` steps of
     its layer; a what-if, not in the engine yet).
-``global-lru``, ``fifo``, ``lfu``, ``belady``
+``global-lru``, ``global-lru-scan``, ``fifo``, ``lfu``, ``belady``
     One cache of ``budget_entries`` (layer, expert) entries shared by all layers. The admission
     unit is a layer step (one layer's lookups in one ubatch): its lookups see the cache as it was
     before the step, then its missed entries are admitted at once (no upload lag) in order of
@@ -26,7 +26,13 @@ Policies (:data:`POLICIES`; the rules are spelled out in ``docs/traces.md``):
     the lowest (layer, expert). ``global-lru`` is the engine's stream tier exactly
     (``--moe-stream-cache-mb``): its recency is per lookup, in router rank order (token-major,
     rank-minor), so a step's hits and admissions become the most recent entries in the order the
-    router ranked them, and there are no ties.
+    router ranked them, and there are no ties; the tier runs it with
+    ``PYBMOE_MOE_STREAM_POLICY=global-lru``. ``global-lru-scan`` is the tier at its defaults: the
+    same, but a step that wants at least half of its layer's experts and whose distinct entries
+    times the trace's layers exceed ``budget_entries`` (a scan, such as a prefill's: a pass of such
+    steps would flush the cache) admits its misses at
+    the least recent end, each below the last, and its repeated lookups do not move them; its hits
+    of entries resident before it become the most recent as in ``global-lru``.
 ``static``
     The ``budget_entries`` most looked-up entries of each workload (in the replayed phase,
     learned in sample: an upper bound for static pinning) are pinned from the start; nothing else
@@ -64,7 +70,12 @@ import pandas as pd
 
 from . import trace as tr
 
-POLICIES = ("layer-lru", "global-lru", "fifo", "lfu", "belady", "static")
+POLICIES = ("layer-lru", "global-lru", "global-lru-scan", "fifo", "lfu", "belady", "static")
+#: The stream tier's policy at its defaults (``--moe-stream-cache-mb``; ``PYBMOE_MOE_STREAM_POLICY``
+#: selects ``global-lru`` instead).
+STREAM_POLICY = "global-lru-scan"
+#: The policies the stream tier offers, each replayed here exactly.
+STREAM_POLICIES = ("global-lru-scan", "global-lru")
 BUDGET_KINDS = ("slots_per_layer", "budget_entries", "fraction", "mib")
 BACKENDS = ("auto", "c", "python")
 #: Admission rules of ``layer-lru`` (``admit=``): ``always`` uploads every miss (the engine today);
@@ -73,7 +84,7 @@ BACKENDS = ("auto", "c", "python")
 ADMISSIONS = ("always", "second-miss")
 #: The default ``admit_window`` of ``second-miss``, in steps (served ubatches) of the layer.
 DEFAULT_ADMIT_WINDOW = 4
-_GLOBAL_CODE = {"global-lru": 0, "fifo": 1, "lfu": 2, "belady": 3}
+_GLOBAL_CODE = {"global-lru": 0, "fifo": 1, "lfu": 2, "belady": 3, "global-lru-scan": 4}
 _SERVED, _RESET = 1, 2
 _NEVER = 1 << 62
 #: Columns of the per-workload summary (and of ``--csv``), in order.
@@ -124,7 +135,7 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
     try:
         lib = ctypes.CDLL(str(p))
         lib.pybmoe_simcore_version.restype = ctypes.c_int32
-        if lib.pybmoe_simcore_version() != 3:
+        if lib.pybmoe_simcore_version() != 4:
             return False
     except (OSError, AttributeError):
         return False
@@ -139,7 +150,7 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
                                                ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, i8p, i64p]
     lib.pybmoe_sim_layer_lru_admit.restype = ctypes.c_int32
     lib.pybmoe_sim_global.argtypes = [ctypes.c_int32, ctypes.c_int64, i64p, u8p, i32p, ctypes.c_int32,
-                                      ctypes.c_int64, i8p, i64p]
+                                      ctypes.c_int64, ctypes.c_int32, i8p, i64p]
     lib.pybmoe_sim_global.restype = ctypes.c_int32
     _core = lib
     return True
@@ -258,8 +269,12 @@ def _next_use(start: list[int], flags: list[int], ids: list[int]) -> list[int]:
 
 
 def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndarray, n_entries: int,
-               capacity: int, out: np.ndarray, counters: np.ndarray) -> None:
-    """global-lru / fifo / lfu / belady with a lazy heap (see pybmoe_sim_global for the rules)."""
+               capacity: int, out: np.ndarray, counters: np.ndarray, n_layer: int = 1) -> None:
+    """global-lru(-scan) / fifo / lfu / belady with a lazy heap (see pybmoe_sim_global for the rules;
+    ``n_layer``: the layers the entries span, global-lru-scan's guard)."""
+    scan_guard = policy == "global-lru-scan"
+    if scan_guard:
+        policy = "global-lru"
     ids = entry.tolist()
     st = start.tolist()
     fls = flags.tolist()
@@ -286,10 +301,13 @@ def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndar
         b, end = st[u], st[u + 1]
         need: dict[int, int] = {}                    # entry -> its first event in the unit
         for i in range(b, end):
+            need.setdefault(ids[i], i)
+        # the scan guard: a unit that wants half of its layer or more, and a pass of such units would
+        # flush the cache; its admissions enter at the minimum end, each below the last, and stay there
+        scan = scan_guard and 2 * len(need) >= n_entries // n_layer and len(need) * n_layer > capacity
+        for i in range(b, end):
             e = ids[i]
-            first = e not in need
-            if first:
-                need[e] = i
+            first = need[e] == i
             if e not in key:
                 res[i] = 0
                 continue
@@ -323,14 +341,14 @@ def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndar
                 del key[victim[2]]
             if policy == "lfu":
                 freq[e] = 1
-            key[e] = new_key(e, u, i)
+            key[e] = (-1 - i, e) if scan else new_key(e, u, i)
             heapq.heappush(heap, (*key[e], e))
             admitted += 1
         if len(need) < end - b:                      # a repeated lookup of an entry admitted here hits
             for i in range(b, end):
                 if res[i] == 0 and need[ids[i]] != i and ids[i] in key:
                     res[i] = 1
-                    if policy == "global-lru":
+                    if policy == "global-lru" and not scan:
                         key[ids[i]] = new_key(ids[i], u, i)
                         heapq.heappush(heap, (*key[ids[i]], ids[i]))
         if len(heap) > 4 * len(key) + 64:
@@ -825,9 +843,9 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
 
             def fn(start, flags, ids, out, counters):
                 if lib is not None:
-                    return lib.pybmoe_sim_global(code, len(flags), start, flags, ids, rp.n_entries, entries, out,
-                                                 counters)
-                _global_py(policy, start, flags, ids, rp.n_entries, entries, out, counters)
+                    return lib.pybmoe_sim_global(code, len(flags), start, flags, ids, rp.n_entries, entries,
+                                                 rp.n_layer, out, counters)
+                _global_py(policy, start, flags, ids, rp.n_entries, entries, out, counters, rp.n_layer)
                 return 0
 
         for w in range(n_w):

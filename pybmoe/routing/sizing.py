@@ -146,7 +146,7 @@ class StreamPrediction:
 
     budget_mib: float
     budget_entries: int
-    hit_rate: float             # global-lru over the trace's decode lookups, 0..1
+    hit_rate: float             # the tier's policy (sim.STREAM_POLICY) over the trace's decode lookups, 0..1
     miss_mib_per_token: float   # MiB read from the file per decode token
     compute_s_per_token: float
     io_s_per_token: float
@@ -169,8 +169,8 @@ def predict_stream(shape: ModelShape, trace: tr.Trace, budget_mib: float, *, dis
                    tokens: int | None = None, skip: int = 0) -> StreamPrediction:
     """Decode tok/s of the stream tier (``--moe-stream-cache-mb budget_mib``) on this model.
 
-    The tier's policy is ``global-lru`` exactly, so the hit rate is the simulator's on the trace's
-    decode lookups at ``budget_entries = floor(budget_mib / expert MiB)``. A token costs the compute
+    The tier's policy (``global-lru-scan``, :data:`pybmoe.routing.sim.STREAM_POLICY`) is replayed
+    exactly, so the hit rate is the simulator's on the trace's decode lookups at ``budget_entries = floor(budget_mib / expert MiB)``. A token costs the compute
     of an all-resident token (``1 / resident_tok_s``, measured; or, without it, the bytes a token
     touches, ``n_layer * top_k`` experts plus ``dense_mib``, at ``ram_mib_s``), plus the tier's own
     ``step_overhead_ms`` per layer step (:data:`STREAM_STEP_OVERHEAD_MS`), plus its misses read at
@@ -195,7 +195,7 @@ def predict_stream(shape: ModelShape, trace: tr.Trace, budget_mib: float, *, dis
             f = t.frame[t.frame["phase"] == "decode"]
             order = f.groupby("workload", sort=False)["token"].rank(method="dense")
             t = tr.from_frame(f[order <= n].reset_index(drop=True), t.meta, t.source)
-        r = sim.simulate(t, "global-lru", mib=budget_mib, expert_bytes=shape.expert_bytes, phase="decode")
+        r = sim.simulate(t, sim.STREAM_POLICY, mib=budget_mib, expert_bytes=shape.expert_bytes, phase="decode")
         return r, int(r.summary["tokens"].sum()), int(r.summary["misses"].sum())
 
     r, n_tok, misses = run(trace, tokens)

@@ -135,20 +135,26 @@ def test_o_direct_refused_falls_back_to_buffered_reads_with_one_warn(tmp_path):
 
 
 
-@pytest.mark.parametrize("ub,mib", [(1, 2), (1, 3), (1, 5), (512, 8), (512, 12)])
-def test_the_engines_stream_hits_equal_the_simulators_global_lru(tmp_path, ub, mib):
-    """The engine's own trace (its ram_hit column) against ``simulate(policy="global-lru", mib=B,
-    model=M)`` on that trace, every lookup, prefill and decode alike (at ubatch 512 the prompt is
-    one step per layer, with repeated experts inside the step)."""
+@pytest.mark.parametrize("policy", [None, "global-lru"])
+@pytest.mark.parametrize("ub,mib", [(1, 2), (1, 3), (1, 5), (4, 8), (512, 8), (512, 12)])
+def test_the_engines_stream_hits_equal_the_simulators_policy(tmp_path, ub, mib, policy):
+    """The engine's own trace (its ram_hit column) against ``simulate(policy=P, mib=B, model=M)``
+    on that trace, every lookup, prefill and decode alike (at ubatch 512 the prompt is one step per
+    layer, with repeated experts inside the step), for each policy the tier offers: the default
+    (global-lru-scan, named by the trace's header) and ``PYBMOE_MOE_STREAM_POLICY=global-lru``."""
+    import os
     from pybmoe.routing import trace as tr
     model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **{**SHAPE, "n_layer": 3}))
     p = tmp_path / f"trace-{ub}-{mib}.csv"
-    r = run(model, tmp_path, ub, ["--moe-stream-cache-mb", str(mib), "--moe-trace", str(p)], f"trace-{ub}-{mib}")
+    env = {**os.environ, "PYBMOE_MOE_STREAM_POLICY": policy} if policy else None
+    r = run(model, tmp_path, ub, ["--moe-stream-cache-mb", str(mib), "--moe-trace", str(p)], f"trace-{ub}-{mib}",
+            env=env)
     t = tr.read_trace(p)
     assert "ram_hit" in t.frame.columns
+    assert t.meta.extra["stream_policy"] == (policy or sim.STREAM_POLICY)
     engine_hit = t.frame["ram_hit"].to_numpy()
     assert (engine_hit >= 0).all()  # every lookup went through the tier (no VRAM tier here)
-    want = sim.simulate(t, "global-lru", mib=mib, model=model, phase="all")
+    want = sim.simulate(t, t.meta.extra["stream_policy"], mib=mib, model=model, phase="all")
     assert want.budget_entries == int(t.meta.extra["stream_entries"])
     bad = (engine_hit != want.predicted).nonzero()[0]
     assert bad.size == 0, f"{bad.size} of {len(engine_hit)} lookups differ, first rows {bad[:5].tolist()}"

@@ -218,6 +218,41 @@ def test_entries_the_step_needs_are_never_evicted(backend):
         assert pred(t, policy, backend, budget_entries=2) == [0, 0, 0, 1]
 
 
+def two_layers(ubatches: list[list[list[int]]], n_expert: int = 4) -> tr.Trace:
+    """ubatches[u][token] = (layer 0's expert, layer 1's expert), top-1: one unit per layer per ubatch."""
+    tokens = [(u, ids) for u, toks in enumerate(ubatches) for ids in toks]
+    rows = [("w", "decode", u, t, layer, 0, ids[layer], -1) for t, (u, ids) in enumerate(tokens) for layer in (0, 1)]
+    return tr.from_frame(pd.DataFrame(rows, columns=tr.COLUMNS), tr.TraceMeta(2, n_expert, 1))
+
+
+def test_the_scan_guard_by_hand(backend):
+    """3 entries, 2 layers. Ubatch 1 wants 2 experts a layer: 2 x 2 layers > 3, a scan. Plain LRU
+    evicts L0E0 then L1E0 for it; the guard admits at the least recent end, so the scan's misses
+    evict each other (L0E1, L0E2 for layer 1's) and L1E0 is still there at ubatch 2."""
+    t = two_layers([[[0, 0]], [[1, 1], [2, 2]], [[0, 0]]])
+    # rows are token-major within a ubatch, as the frame above: (u0 L0, u0 L1, u1 t0 L0, u1 t0 L1, ...)
+    order = np.lexsort((t.frame["rank"], t.frame["token"], t.frame["layer"], t.frame["ubatch"]))
+    plain = np.asarray(pred(t, "global-lru", backend, budget_entries=3))[order].tolist()
+    scan = np.asarray(pred(t, "global-lru-scan", backend, budget_entries=3))[order].tolist()
+    #          u0 L0, L1 | u1 L0 t0, t1 | u1 L1 t0, t1 | u2 L0, L1
+    assert plain == [0, 0, 0, 0, 0, 0, 0, 0]
+    assert scan == [0, 0, 0, 0, 0, 0, 0, 1]
+    # at 4 entries the same ubatch fits (2 x 2 layers): the guard is off and the two policies agree
+    assert pred(t, "global-lru-scan", backend, budget_entries=4) == pred(t, "global-lru", backend, budget_entries=4)
+
+
+def test_a_scans_repeats_hit_and_keep_its_admissions_at_the_least_recent_end(backend):
+    """Ubatch 1 is a scan at 3 entries (2 distinct x 2 layers > 3). Layer 0 (1, 2, 1): 2 evicts
+    L0E0 (L0E1 is needed), the repeat of 1 hits and leaves it at the least recent end. Layer 1
+    (3, 0, 3): 3 evicts L0E2, the scan's last admission, not L0E1; L1E0, resident before, hits and
+    becomes the most recent. Ubatch 2: L0E0 misses and evicts L1E3; L1E0 hits."""
+    t = two_layers([[[0, 0]], [[1, 3], [2, 0], [1, 3]], [[0, 0]]])
+    order = np.lexsort((t.frame["rank"], t.frame["token"], t.frame["layer"], t.frame["ubatch"]))
+    scan = np.asarray(pred(t, "global-lru-scan", backend, budget_entries=3))[order].tolist()
+    #        u0 L0, L1 | u1 L0: 1, 2, 1 | u1 L1: 3, 0, 3 | u2 L0, L1
+    assert scan == [0, 0, 0, 0, 1, 0, 1, 1, 0, 1]
+
+
 def test_instant_admission_within_a_multi_token_step(backend):
     t = mk([[[0, 1], [0, 2]]], n_expert=4)
     assert pred(t, "global-lru", backend, budget_entries=3) == [0, 0, 1, 0]

@@ -24,7 +24,7 @@ from pybmoe.routing import sim
 from pybmoe.routing import trace as tr
 
 REPO = Path(__file__).resolve().parents[2]
-GLOBAL = ("global-lru", "fifo", "lfu", "belady")
+GLOBAL = ("global-lru", "global-lru-scan", "fifo", "lfu", "belady")
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +58,13 @@ def stream(seed: int, *, n_units: int, n_entries: int, max_len: int, p_reset: fl
     return start, flags, ids
 
 
-def run_global(lib, policy, start, flags, ids, n_entries, cap):
+def run_global(lib, policy, start, flags, ids, n_entries, cap, n_layer=3):
+    # n_layer: global-lru-scan's guard (3: units of more than cap / 3 distinct entries are scans)
     out_c, cnt_c = np.empty(len(ids), np.int8), np.zeros(2, np.int64)
-    assert lib.pybmoe_sim_global(sim._GLOBAL_CODE[policy], len(flags), start, flags, ids, n_entries, cap, out_c,
-                                 cnt_c) == 0
+    assert lib.pybmoe_sim_global(sim._GLOBAL_CODE[policy], len(flags), start, flags, ids, n_entries, cap, n_layer,
+                                 out_c, cnt_c) == 0
     out_p, cnt_p = np.empty(len(ids), np.int8), np.zeros(2, np.int64)
-    sim._global_py(policy, start, flags, ids, n_entries, cap, out_p, cnt_p)
+    sim._global_py(policy, start, flags, ids, n_entries, cap, out_p, cnt_p, n_layer)
     return (out_c, cnt_c), (out_p, cnt_p)
 
 
@@ -77,9 +78,11 @@ def test_global_core_matches_the_python_twin(lib, seed, n_entries, n_units, max_
     start, flags, ids = stream(seed, n_units=n_units, n_entries=n_entries, max_len=max_len, p_reset=p_reset)
     for cap in sorted({0, 1, 2, 5, n_entries // 7, n_entries // 2, n_entries - 1, n_entries, n_entries + 3}):
         for policy in GLOBAL:
-            (out_c, cnt_c), (out_p, cnt_p) = run_global(lib, policy, start, flags, ids, n_entries, cap)
-            assert np.array_equal(out_c, out_p), (policy, cap)
-            assert cnt_c[0] == cnt_p[0], (policy, cap)
+            # global-lru-scan over 3 layers, and over 40 (layers of a few entries: most units are scans)
+            for n_layer in ((3, 40) if policy == "global-lru-scan" else (3,)):
+                (out_c, cnt_c), (out_p, cnt_p) = run_global(lib, policy, start, flags, ids, n_entries, cap, n_layer)
+                assert np.array_equal(out_c, out_p), (policy, cap, n_layer)
+                assert cnt_c[0] == cnt_p[0], (policy, cap, n_layer)
 
 
 def test_global_core_deep_bit_trees(lib):
