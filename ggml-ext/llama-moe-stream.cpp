@@ -370,12 +370,18 @@ void llama_moe_stream::get_stats(llama_moe_stream_stats & out) const {
 void llama_moe_stream::print_summary() const {
     llama_moe_stream_stats st;
     get_stats(st);
+    uint64_t n_scans = 0;
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        n_scans = lru.n_scan_steps;
+    }
     const uint64_t n = st.hits + st.misses;
     LLAMA_LOG("moe-stream: %.1f%% hit, resident %.1f MiB, misses %llu (read %.1f MiB, %.2f MiB/token), io wait %.3f s, "
-            "major faults %llu, prefetched %.1f MiB (%.1f MiB of it used)\n", n ? 100.0*st.hits/n : 0.0,
+            "major faults %llu, prefetched %.1f MiB (%.1f MiB of it used), scan steps %llu\n", n ? 100.0*st.hits/n : 0.0,
             st.resident_bytes/1024.0/1024.0, (unsigned long long) st.misses, st.read_bytes/1024.0/1024.0,
             st.n_tokens ? st.read_bytes/1024.0/1024.0/st.n_tokens : 0.0, st.io_wait_us/1e6,
-            (unsigned long long) st.major_faults, st.prefetch_bytes/1024.0/1024.0, st.prefetch_used/1024.0/1024.0);
+            (unsigned long long) st.major_faults, st.prefetch_bytes/1024.0/1024.0, st.prefetch_used/1024.0/1024.0,
+            (unsigned long long) n_scans);
 }
 
 //

@@ -200,7 +200,7 @@ struct llama_moe_stream {
     void get_stats(llama_moe_stream_stats & out) const;
 
     // "moe-stream: <hit>% hit, resident <X> MiB, misses <n> (read <Y> MiB, <Z> MiB/token), io wait <T> s,
-    // major faults <F>"
+    // major faults <F>, prefetched <P> MiB (<U> MiB of it used), scan steps <S>"
     void print_summary() const;
 
     // gives the reservations back (the tensors must not be read after)

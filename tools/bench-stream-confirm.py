@@ -13,7 +13,14 @@ Writes OUT/sweep-confirm.csv (one row per run, with its mode) and OUT/sweep-conf
 setting and mode: the two medians and defaults / the other). ``--settings`` names the sweep's
 sweep-settings.csv when OUT is a new folder (default: OUT/sweep-settings.csv).
 
-Usage: tools/bench-stream-confirm.py --out DIR --traces DIR [--settings CSV] [--modes tg,pp] A=a.gguf ...
+``--predict``: the prediction of ``pybmoe size --stream-mb`` (:func:`pybmoe.routing.sizing.predict_stream`)
+against each tg run, with its inputs measured in the same run: the all-resident decode speed of each
+model (3 warm runs without a limit, median, first), and the disk (:func:`pybmoe.bench.disk.probe` on
+the model's own file, the tier's lanes, right before each pair of runs). Adds ``probe_mib_s`` and
+``predicted_ts`` to the runs, and to the summary the medians of both and measured / predicted per point
+(OUT/sweep-confirm-prediction.csv).
+
+Usage: tools/bench-stream-confirm.py --out DIR --traces DIR [--settings CSV] [--modes tg,pp] [--predict] A=a.gguf ...
 """
 from __future__ import annotations
 
@@ -23,8 +30,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from pybmoe.bench import stream
+from pybmoe.bench import disk, stream
 from pybmoe.engine import memlimit
+from pybmoe.routing import sizing
+from pybmoe.routing import trace as tr
 
 
 def main() -> int:
@@ -36,6 +45,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("-n", "--n-gen", type=int, default=32)
     ap.add_argument("-p", "--n-prompt", type=int, default=32)
+    ap.add_argument("--predict", action="store_true", help="the decode prediction against each tg run (see above)")
     ap.add_argument("models", nargs="+", help="NAME=MODEL.gguf")
     a = ap.parse_args()
     modes = [m for m in a.modes.split(",") if m]
@@ -45,7 +55,17 @@ def main() -> int:
     settings = pd.read_csv(a.settings or a.out / "sweep-settings.csv")
     settings = settings[settings.model.isin(list(models))]
     a.out.mkdir(parents=True, exist_ok=True)
+    resident = {}
+    if a.predict and "tg" in modes:
+        for name in dict.fromkeys(settings.model):
+            ts = [stream.run_point(Path(models[name]), stream.StreamPoint("resident"), "tg", limit=None, cold=False,
+                                   log_path=a.out / "confirm-logs" / f"{name}-resident-{i}.log", n_prompt=1,
+                                   n_gen=a.n_gen, threads=2, ubatch=512, io_threads=None, floor_mib=None,
+                                   route_replay=None)["avg_ts"] for i in range(3)]
+            resident[name] = float(pd.Series(ts).median())
+            print(f"{name} resident tg: {resident[name]:.2f} tok/s", file=sys.stderr, flush=True)
     rows = []
+    traces: dict[str, tr.Trace] = {}
     for s in settings.itertuples():
         model = Path(models[s.model])
         budget, _, dense = s.best_fixed.removeprefix("stream:").partition("+")
@@ -54,6 +74,7 @@ def main() -> int:
             for mode in modes:
                 pts = [stream.StreamPoint("defaults", "auto"), against[mode]]
                 for rep in range(a.repeats):
+                    probe = disk.probe(model).mib_s if a.predict and mode == "tg" else None
                     for pt in (pts if rep % 2 == 0 else pts[::-1]):
                         log = a.out / "confirm-logs" / f"{s.model}-{s.factor:g}x-{s.routing}-{mode}-{pt.name.replace(':', '-')}-{rep}.log"
                         r = stream.run_point(model, pt, mode, limit=lim, cold=True, log_path=log,
@@ -65,7 +86,16 @@ def main() -> int:
                                          hit_pct=r.get("stream_hit_pct"), io_wait_s=r.get("stream_io_wait_s"),
                                          read_mib_per_token=r.get("stream_read_mib_per_token"),
                                          budget_mb=r.get("stream_budget_after_contexts_mb") or r.get("stream_budget_mb"),
-                                         peak_mib=r.get("peak_mib")))
+                                         peak_mib=r.get("peak_mib"), probe_mib_s=probe))
+                        if probe is not None:
+                            budget = rows[-1]["budget_mb"]
+                            key = f"{s.routing}-{s.model}"
+                            if key not in traces:
+                                traces[key] = tr.read_trace(a.traces / f"{key}.csv")
+                            trace = traces[key]
+                            p = sizing.predict_stream(sizing.model_shape(model), trace, float(budget), disk_mib_s=probe,
+                                                      resident_tok_s=resident[s.model], tokens=a.n_gen + 1, skip=1)
+                            rows[-1]["predicted_ts"] = p.tok_s
                         print(f"{s.model} {s.factor:g}x {s.routing} {mode} {pt.name} {rep}: {r['avg_ts']:.2f} tok/s",
                               file=sys.stderr, flush=True)
                 pd.DataFrame(rows).to_csv(a.out / "sweep-confirm.csv", index=False)
@@ -79,6 +109,14 @@ def main() -> int:
                         defaults_ts=d, against_ts=b.ts.iloc[0], defaults_vs_against=d / b.ts.iloc[0]))
     summary = pd.DataFrame(out)
     summary.to_csv(a.out / "sweep-confirm-summary.csv", index=False)
+    if "predicted_ts" in df:
+        t = df[df["mode"] == "tg"]
+        pr = t.groupby(["model", "factor", "routing", "point"], sort=False).agg(
+            ts=("ts", "median"), predicted_ts=("predicted_ts", "median"), probe_mib_s=("probe_mib_s", "median"),
+            hit_pct=("hit_pct", "median"), read_mib_per_token=("read_mib_per_token", "median")).reset_index()
+        pr["measured_vs_predicted"] = pr.ts / pr.predicted_ts
+        pr.to_csv(a.out / "sweep-confirm-prediction.csv", index=False)
+        print(pr.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     print(summary.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     return 0
 

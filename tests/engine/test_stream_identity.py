@@ -13,6 +13,7 @@ entry is 0.50 MiB and a budget in whole MiB is a handful of entries.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,29 @@ def test_the_engines_stream_hits_equal_the_simulators_policy(tmp_path, ub, mib, 
     hits, misses = int((engine_hit == 1).sum()), int((engine_hit == 0).sum())
     assert sum(h for h, _ in r.stream_layers.values()) == hits and sum(m for _, m in r.stream_layers.values()) == misses
     assert hits > 0 and misses > 0
+    # the summary counts the scans: prompt steps (ubatch 4 or 512) that want 8 or more of the 16 experts,
+    # whose pass of 3 layers 8 or 12 MiB cannot hold; decode's 3 of 16 never are one; plain LRU has none
+    scans = [int(m) for m in re.findall(r"scan steps (\d+)", r.log)]
+    assert scans, r.log[-2000:]
+    if policy is not None or ub == 1:
+        assert scans[-1] == 0
+    else:
+        assert 0 < scans[-1] <= (3 if ub == 512 else 3 * math.ceil(len(PROMPT) / 4))
+
+
+def test_an_unknown_stream_policy_is_refused_loudly(tmp_path):
+    """PYBMOE_MOE_STREAM_POLICY names the tier's policy; another value is an error line naming the two
+    accepted, and the tier is OFF with a WARN (the run goes on, all-resident, as for any tier that
+    cannot engage); the load line names the policy in use."""
+    import os
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    base = run(model, tmp_path, 1, [], "base")
+    r = run(model, tmp_path, 1, ["--moe-stream-cache-mb", "4"], "lfu", env={**os.environ, "PYBMOE_MOE_STREAM_POLICY": "lfu"})
+    assert "PYBMOE_MOE_STREAM_POLICY=lfu; accepted: global-lru-scan (the default), global-lru" in r.log
+    assert "was requested but the stream tier is OFF" in r.log and "moe-stream-preamble" not in r.log
+    assert r.logits == base.logits
+    ok = run(model, tmp_path, 1, ["--moe-stream-cache-mb", "4"], "default")
+    assert "policy global-lru-scan, " in ok.log and ok.logits == base.logits
 
 
 @pytest.mark.parametrize("policy,line", [("warm", "dense warm-up: "), ("anon", "dense weights into anonymous memory: ")])
