@@ -381,20 +381,23 @@ static inline void dl_unlink(int32_t * prv, int32_t * nxt, int32_t x) {
     prv[nxt[x]] = prv[x];
 }
 
-static inline void dl_append(int32_t * prv, int32_t * nxt, int32_t s, int32_t x) {
-    const int32_t p = prv[s];
+// x into the list right after node p
+static inline void dl_insert_after(int32_t * prv, int32_t * nxt, int32_t p, int32_t x) {
+    const int32_t n = nxt[p];
     nxt[p] = x;
     prv[x] = p;
-    nxt[x] = s;
-    prv[s] = x;
+    nxt[x] = n;
+    prv[n] = x;
 }
 
+// x at the maximum end (before the sentinel s)
+static inline void dl_append(int32_t * prv, int32_t * nxt, int32_t s, int32_t x) {
+    dl_insert_after(prv, nxt, prv[s], x);
+}
+
+// x at the minimum end (after the sentinel s)
 static inline void dl_prepend(int32_t * prv, int32_t * nxt, int32_t s, int32_t x) {
-    const int32_t n = nxt[s];
-    prv[n] = x;
-    nxt[x] = n;
-    prv[x] = s;
-    nxt[s] = x;
+    dl_insert_after(prv, nxt, s, x);
 }
 
 // is_lru: recency order (global-lru); scan_layers > 0: with the scan guard over that many layers of
