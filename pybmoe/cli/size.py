@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..routing import sizing
+from ..routing import sim, sizing
 from ..routing import trace as tr
 
 
