@@ -23,16 +23,16 @@ Policies (:data:`POLICIES`; the rules are spelled out in ``docs/traces.md``):
     no such entry the miss is not admitted. Victims: least recently needed / first admitted /
     fewest steps needed since admission / needed furthest in the future (the incoming entry is
     itself a candidate: it is bypassed when it is needed no sooner than every victim). Ties go to
-    the lowest (layer, expert). ``global-lru`` is the engine's stream tier exactly
-    (``--moe-stream-cache-mb``): its recency is per lookup, in router rank order (token-major,
+    the lowest (layer, expert). ``global-lru`` is the engine's stream tier with its scan guard off,
+    exactly (``--moe-stream-cache-mb``): its recency is per lookup, in router rank order (token-major,
     rank-minor), so a step's hits and admissions become the most recent entries in the order the
     router ranked them, and there are no ties; the tier runs it with
     ``PYBMOE_MOE_STREAM_POLICY=global-lru``. ``global-lru-scan`` is the tier at its defaults: the
     same, but a step that wants at least half of its layer's experts and whose distinct entries
     times the trace's layers exceed ``budget_entries`` (a scan, such as a prefill's: a pass of such
-    steps would flush the cache) admits its misses at
-    the least recent end, each below the last, and its repeated lookups do not move them; its hits
-    of entries resident before it become the most recent as in ``global-lru``.
+    steps would flush the cache) admits its misses at the least recent end, each below the last,
+    and its repeated lookups do not move them; its hits of entries resident before it become the
+    most recent as in ``global-lru``.
 ``static``
     The ``budget_entries`` most looked-up entries of each workload (in the replayed phase,
     learned in sample: an upper bound for static pinning) are pinned from the start; nothing else
@@ -74,8 +74,6 @@ POLICIES = ("layer-lru", "global-lru", "global-lru-scan", "fifo", "lfu", "belady
 #: The stream tier's policy at its defaults (``--moe-stream-cache-mb``; ``PYBMOE_MOE_STREAM_POLICY``
 #: selects ``global-lru`` instead).
 STREAM_POLICY = "global-lru-scan"
-#: The policies the stream tier offers, each replayed here exactly.
-STREAM_POLICIES = ("global-lru-scan", "global-lru")
 BUDGET_KINDS = ("slots_per_layer", "budget_entries", "fraction", "mib")
 BACKENDS = ("auto", "c", "python")
 #: Admission rules of ``layer-lru`` (``admit=``): ``always`` uploads every miss (the engine today);
