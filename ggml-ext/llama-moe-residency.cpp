@@ -269,15 +269,15 @@ void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vec
     LLAMA_MOE_RES_ASSERT(layer >= 0 && layer < n_layer);
     gen++;
     const int32_t base = layer * n_expert;
-    int64_t n_distinct = 0;
+    n_distinct_now = 0;
     for (int64_t i = 0; i < n; ++i) {
         LLAMA_MOE_RES_ASSERT(ids[i] >= 0 && ids[i] < n_expert);
-        n_distinct += need[base + ids[i]] != gen;
+        n_distinct_now += need[base + ids[i]] != gen;
         need[base + ids[i]] = gen; // never evicted by this step
     }
     // the scan guard: a step that wants half of its layer or more (a prefill's), and a pass of such steps
     // does not fit in the capacity
-    const bool scan = scan_guard && 2 * n_distinct >= n_expert && n_distinct * n_layer > capacity;
+    const bool scan = scan_guard && wants_half() && n_distinct_now * n_layer > capacity;
     n_scan_steps += scan;
     hit.resize(n);
     for (int64_t i = 0; i < n; ++i) {

@@ -172,6 +172,13 @@ struct llama_moe_lru {
 
     bool     scan_guard   = true;   // see above; false: plain global LRU ("global-lru")
     uint64_t n_scan_steps = 0;      // steps the guard admitted at the least recent end
+    int64_t  n_distinct_now = 0;    // distinct experts the last step wanted
+
+    // the last step wanted at least half of its layer's experts (a prefill's step: the scan guard's first
+    // test, and the stream tier's prefetch trigger)
+    bool wants_half() const {
+        return 2 * n_distinct_now >= n_expert;
+    }
     std::vector<uint64_t> cold;     // [n_entries] the step that admitted the entry at the least recent end
 
     void init(int32_t n_layer, int32_t n_expert, int64_t capacity);

@@ -254,17 +254,9 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     }
     us += std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count();
 
-    // a prefill step (it wanted half of its layer or more): read the next layer's non-resident experts while
-    // this one computes
-    int64_t n_distinct = 0;
-    if (prefetch_entries > 0 && li + 1 < (int32_t) layers.size()) {
-        std::vector<uint8_t> wanted(lru.n_expert, 0);
-        for (int32_t e : want) {
-            n_distinct += !wanted[e];
-            wanted[e] = 1;
-        }
-    }
-    if (2 * n_distinct >= lru.n_expert) {
+    // a prefill step (it wanted half of its layer or more, as the LRU counted it): read the next layer's
+    // non-resident experts while this one computes
+    if (prefetch_entries > 0 && li + 1 < (int32_t) layers.size() && lru.wants_half()) {
         const int32_t nl = li + 1;
         prefetched.assign(lru.n_expert, 0);
         std::vector<int32_t> next;

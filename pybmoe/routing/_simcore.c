@@ -338,20 +338,19 @@ static void gstate_free(gstate * g) {
 }
 
 // pass 1: the cache as it was before the unit answers every lookup, and the unit's entries are
-// marked; returns whether an entry is looked up twice
-static inline int unit_answer(gstate * g, int64_t b, int64_t end, const int32_t * entry, int64_t tag, int8_t * out) {
-    int dup = 0;
+// marked; returns the unit's distinct entries (fewer than its lookups: an entry is looked up twice)
+static inline int64_t unit_answer(gstate * g, int64_t b, int64_t end, const int32_t * entry, int64_t tag, int8_t * out) {
+    int64_t n_distinct = 0;
     for (int64_t i = b; i < end; ++i) {
         const int32_t e = entry[i];
         if (g->mark[e] != tag) {
             g->mark[e]     = tag;
             g->first_ev[e] = i;
-        } else {
-            dup = 1;
+            n_distinct++;
         }
         out[i] = (int8_t) g->resident[e];
     }
-    return dup;
+    return n_distinct;
 }
 
 // pass 3 (T > 1 only): a repeated lookup of an entry admitted at this unit hits
@@ -426,15 +425,10 @@ static int32_t sim_list(int is_lru, int64_t scan_layers, int64_t n_units, const 
         }
         const int64_t b = unit_start[u], end = unit_start[u + 1];
         const int64_t tag = u + 1;
-        const int dup = unit_answer(&g, b, end, entry, tag, out);
-        int scan = 0;
-        if (scan_layers > 0) {
-            int64_t n_distinct = 0;
-            for (int64_t i = b; i < end; ++i) {
-                n_distinct += g.first_ev[entry[i]] == i;
-            }
-            scan = 2 * n_distinct >= n_entries / scan_layers && n_distinct * scan_layers > capacity;
-        }
+        const int64_t n_distinct = unit_answer(&g, b, end, entry, tag, out);
+        const int dup = n_distinct < end - b;
+        const int scan = scan_layers > 0 && 2 * n_distinct >= n_entries / scan_layers &&
+                         n_distinct * scan_layers > capacity;
         // pass 2: admit the missed entries in order of first appearance
         int32_t cur = -1, n_adm = 0;
         for (int64_t i = b; i < end && capacity > 0; ++i) {
@@ -597,7 +591,7 @@ static int32_t sim_lfu(int64_t n_units, const int64_t * unit_start, const uint8_
         }
         const int64_t b = unit_start[u], end = unit_start[u + 1];
         const int64_t tag = u + 1;
-        const int dup = unit_answer(&g, b, end, entry, tag, out);
+        const int dup = unit_answer(&g, b, end, entry, tag, out) < end - b;
         // pass 2: admit the missed entries in order of first appearance; the cursor: entry cx of bucket cb
         int32_t cb = -1, cx = -1;
         for (int64_t i = b; i < end && capacity > 0; ++i) {
@@ -820,7 +814,7 @@ static int32_t sim_belady(int64_t n_units, const int64_t * unit_start, const uin
         }
         const int64_t b = unit_start[u], end = unit_start[u + 1];
         const int64_t tag = u + 1;
-        const int dup = unit_answer(&g, b, end, entry, tag, out);
+        const int dup = unit_answer(&g, b, end, entry, tag, out) < end - b;
         // pass 2: admit the missed entries in order of first appearance
         for (int64_t i = b; i < end && capacity > 0; ++i) {
             const int32_t e = entry[i];
