@@ -162,12 +162,12 @@ def check(root: Path | None = None, log=print) -> bool:
     """
     root = root or vendor.project_root()
     pin = vendor.load_pin(root)
-    sdist = vendor.fetch_sdist(pin, vendor.cache_dir())
+    sdists = vendor.fetch_pin(pin)
     results: list[PatchResult] = []
     names = [p.name for p in vendor.series(root)]
     with tempfile.TemporaryDirectory(prefix="pybmoe-check-") as tmp:
         tree = Path(tmp) / pin.stem
-        vendor.unpack(sdist, tree)
+        vendor.unpack_pin(pin, tree, *sdists)
         for p in vendor.series(root):
             res = apply_one(tree, p, three_way=False)
             results.append(res)
@@ -178,7 +178,7 @@ def check(root: Path | None = None, log=print) -> bool:
     log(format_table(results))
     for r in results:
         if r.status == FAILED:
-            log(f"\n{r.patch} does not apply to {pin.filename}:\n{r.detail}")
+            log(f"\n{r.patch} does not apply to {pin.stem} (llama.cpp {pin.llama_cpp}):\n{r.detail}")
     return ok
 
 
@@ -219,10 +219,10 @@ def _old_series_into(root: Path, tree: Path) -> None:
     """Make the blobs the patches were made against available to ``git am -3`` in ``tree``: the
     pinned base plus the series, committed in a scratch repo and fetched as ``refs/pybmoe/pinned``."""
     pin = vendor.load_pin(root)
-    sdist = vendor.fetch_sdist(pin, vendor.cache_dir())
+    sdists = vendor.fetch_pin(pin)
     with tempfile.TemporaryDirectory(prefix="pybmoe-pinned-") as tmp:
         old = Path(tmp) / pin.stem
-        vendor.unpack(sdist, old)
+        vendor.unpack_pin(pin, old, *sdists)
         for p in vendor.series(root):
             if vendor._git(old, "am", "-q", "--keep-cr", str(p), check=False).returncode != 0:
                 vendor._git(old, "am", "--abort", check=False)

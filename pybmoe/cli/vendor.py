@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="discard uncommitted edits in the vendored tree")
     ap.add_argument("--sdist", type=Path, help="use this local sdist file instead of downloading "
                     "(still verified against the pinned sha256)")
+    ap.add_argument("--engine-sdist", type=Path, help="use this local file as the engine's sdist ([engine] of "
+                    "vendor/upstream.toml) instead of downloading it (still verified against its sha256)")
     a = ap.parse_args(argv)
     try:
         root = project_root()
@@ -29,6 +31,17 @@ def main(argv: list[str] | None = None) -> int:
             cache.mkdir(parents=True, exist_ok=True)
             if a.sdist.resolve() != (cache / pin.filename).resolve():
                 shutil.copyfile(a.sdist, cache / pin.filename)
+            if tree_dir(root, pin).exists() and a.force:
+                shutil.rmtree(tree_dir(root, pin))
+        if a.engine_sdist:
+            pin = load_pin(root)
+            if not pin.engine:
+                raise VendorError("--engine-sdist: vendor/upstream.toml pins no [engine] sdist")
+            verify_sdist(a.engine_sdist, pin.engine)
+            cache = cache_dir()
+            cache.mkdir(parents=True, exist_ok=True)
+            if a.engine_sdist.resolve() != (cache / pin.engine.filename).resolve():
+                shutil.copyfile(a.engine_sdist, cache / pin.engine.filename)
             if tree_dir(root, pin).exists() and a.force:
                 shutil.rmtree(tree_dir(root, pin))
         print(ensure_tree(root, force=a.force))

@@ -1,0 +1,178 @@
+"""A pin of two sources: the bindings from one sdist, the engine's llama.cpp tree from another
+(``[engine]`` of ``vendor/upstream.toml``), on small fake sdists served by a fake registry JSON API
+(``file://``). Each test takes about a second; no network."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from pybmoe.build import patches, vendor
+
+ROOT = Path(__file__).resolve().parents[2]
+_SRC = "".join(f"int f{i}(void) {{ return {i}; }}\n" for i in range(30))
+
+
+def _llama(src: str) -> dict[str, str]:
+    return {"include/llama.h": "#pragma once\n", "ggml/CMakeLists.txt": "project(ggml)\n",
+            "src/llama.cpp": src, "models/ggml-vocab-x.gguf": "vocab\n"}
+
+
+def _write(d: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(text)
+
+
+def _tar(out: Path, d: Path, arcname: str) -> Path:
+    with tarfile.open(out, "w:gz") as tf:
+        tf.add(d, arcname=arcname)
+    return out
+
+
+@pytest.fixture
+def two_source(tmp_path, monkeypatch):
+    """``(root, engine_sdist, api)``: a project pinned to the bindings of ``fakecpp-1.0`` (which
+    vendors an old llama.cpp) and the llama.cpp of ``fakebin-2.0`` (at ``fakebin-2.0/llama.cpp``,
+    five lines added at the top of src/llama.cpp), a series of one patch made against the latter,
+    and a fake JSON API at ``api`` that lists the engine's sdist. ``PYBMOE_CACHE`` is private."""
+    files = tmp_path / "files"
+    files.mkdir()
+    top = tmp_path / "b" / "fakecpp-1.0"
+    _write(top / "vendor" / "llama.cpp", _llama(_SRC))
+    _write(top / "llama_cpp", {"__init__.py": "# the bindings\n"})
+    bindings = _tar(files / "fakecpp-1.0.tar.gz", top, "fakecpp-1.0")
+    newer = "".join(f"// new upstream line {i}\n" for i in range(5)) + _SRC
+    etop = tmp_path / "e" / "fakebin-2.0"
+    _write(etop / "llama.cpp", _llama(newer))
+    _write(etop, {"setup.py": "", "src/fakebin/__init__.py": ""})
+    engine = _tar(files / "fakebin-2.0.tar.gz", etop, "fakebin-2.0")
+    api = tmp_path / "pypi"
+    (api / "fakebin" / "2.0").mkdir(parents=True)
+    (api / "fakebin" / "2.0" / "json").write_text(json.dumps(
+        {"urls": [{"filename": "fakebin-2.0.tar.gz", "packagetype": "sdist", "url": engine.as_uri()}]}))
+    cache = tmp_path / "cache"
+    (cache / "sdist").mkdir(parents=True)
+    (cache / "sdist" / bindings.name).write_bytes(bindings.read_bytes())  # pip is not asked for it
+    monkeypatch.setenv("PYBMOE_CACHE", str(cache))
+    monkeypatch.setenv("PYBMOE_PYPI_JSON", api.as_uri())
+    root = tmp_path / "proj"
+    (root / "vendor").mkdir(parents=True)
+    (root / "patches").mkdir()
+    (root / "vendor" / "upstream.toml").write_text(
+        '[sdist]\nname = "fakecpp"\nversion = "1.0"\nfilename = "fakecpp-1.0.tar.gz"\n'
+        f'sha256 = "{vendor.sha256_file(bindings)}"\n'
+        '[llama_cpp]\nbuild = "b2"\nsubdir = "vendor/llama.cpp"\n'
+        '[engine]\nname = "fakebin"\nversion = "2.0"\nfilename = "fakebin-2.0.tar.gz"\n'
+        f'sha256 = "{vendor.sha256_file(engine)}"\npath = "fakebin-2.0/llama.cpp"\n')
+    # the series: one hook, made against the engine's tree (line 15 of the newer file is f10)
+    work = tmp_path / "work"
+    work.mkdir()
+    with tarfile.open(engine) as tf:
+        vendor.extract_under(tf, "fakebin-2.0/llama.cpp", work / "vendor" / "llama.cpp")
+    vendor.commit_base(work, "base")
+    lines = newer.splitlines(keepends=True)
+    lines[15] = "int f10(void) { return moe_hook(10); }\n"
+    (work / "vendor" / "llama.cpp" / "src" / "llama.cpp").write_text("".join(lines))
+    vendor._git(work, "commit", "-q", "-a", "-m", "llama: a hook in f10")
+    assert patches.export(root, work) == ["0001-llama-a-hook-in-f10.patch"]
+    return root, engine, api
+
+
+def test_the_pin_names_both_sources(two_source):
+    root, engine, _ = two_source
+    pin = vendor.load_pin(root)
+    assert pin.engine and pin.engine.name == "fakebin" and pin.engine.path == "fakebin-2.0/llama.cpp"
+    assert pin.stem == "fakecpp-1.0+fakebin-2.0" and pin.build == "b2" and pin.commit == ""
+    assert pin.llama_cpp == "b2"
+
+
+def test_the_tree_is_the_bindings_with_the_engines_llama_cpp(two_source):
+    root, engine, _ = two_source
+    lc = vendor.ensure_tree(root, log=lambda *_: None)
+    tree = root / "vendor" / "src" / "fakecpp-1.0+fakebin-2.0"
+    assert lc == tree / "vendor" / "llama.cpp"
+    assert (tree / "llama_cpp" / "__init__.py").read_text() == "# the bindings\n"
+    src = (lc / "src" / "llama.cpp").read_text().splitlines()
+    assert src[0] == "// new upstream line 0" and src[15] == "int f10(void) { return moe_hook(10); }"
+    assert not (tree / "setup.py").exists()  # only the engine's llama.cpp folder is taken
+    msg = vendor._git(tree, "log", "-1", "--format=%B", vendor.BASE_TAG).stdout
+    pin = vendor.load_pin(root)
+    assert f"sha256:{pin.sha256} (bindings)" in msg and f"sha256:{pin.engine.sha256} (engine)" in msg
+    assert "fakebin-2.0.tar.gz at fakebin-2.0/llama.cpp (llama.cpp b2)" in msg
+    # the engine's sdist was fetched through the JSON API into the cache, verified
+    assert vendor.sha256_file(vendor.cache_dir() / "fakebin-2.0.tar.gz") == pin.engine.sha256
+    # patches check applies the series to a fresh copy of the same two sources
+    out = []
+    assert patches.check(root, log=out.append)
+    assert "0001-llama-a-hook-in-f10.patch" in out[0] and "clean" in out[0]
+
+
+def test_a_tampered_engine_sdist_is_refused_and_not_kept(two_source):
+    root, engine, api = two_source
+    bad = engine.with_name("tampered.tar.gz")
+    data = bytearray(engine.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    (api / "fakebin" / "2.0" / "json").write_text(json.dumps(
+        {"urls": [{"filename": "fakebin-2.0.tar.gz", "url": bad.as_uri()}]}))
+    with pytest.raises(vendor.HashMismatchError, match="does not match the pin"):
+        vendor.ensure_tree(root, log=lambda *_: None)
+    assert not list(vendor.cache_dir().glob("fakebin-2.0*"))
+    assert not (root / "vendor" / "src").exists()
+
+
+def test_the_pinned_url_is_used_when_the_api_cannot_say(two_source, monkeypatch, tmp_path):
+    root, engine, _ = two_source
+    monkeypatch.setenv("PYBMOE_PYPI_JSON", (tmp_path / "nowhere").as_uri())
+    pin = vendor.load_pin(root)
+    with pytest.raises(vendor.VendorError, match=r"no URL for fakebin-2.0.tar.gz: cannot read .*has no url"):
+        vendor.fetch_engine(pin.engine, vendor.cache_dir())
+    toml = root / "vendor" / "upstream.toml"
+    toml.write_text(toml.read_text() + f'url = "{engine.as_uri()}"\n')
+    pin = vendor.load_pin(root)
+    got = vendor.fetch_engine(pin.engine, vendor.cache_dir())
+    assert vendor.sha256_file(got) == pin.engine.sha256
+
+
+def test_an_engine_path_without_llama_cpp_is_refused(two_source):
+    root, engine, _ = two_source
+    toml = root / "vendor" / "upstream.toml"
+    toml.write_text(toml.read_text().replace('path = "fakebin-2.0/llama.cpp"', 'path = "fakebin-2.0/src"'))
+    with pytest.raises(vendor.VendorError, match=r"holds no llama.cpp tree at fakebin-2.0/src"):
+        vendor.ensure_tree(root, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("cut, what", [("sha256", "'sha256'"), ("build", "neither the commit nor the build")])
+def test_a_pin_missing_a_key_is_named(two_source, cut, what):
+    root, _, _ = two_source
+    toml = root / "vendor" / "upstream.toml"
+    lines = toml.read_text().splitlines()
+    if cut == "sha256":  # the engine's
+        i = max(i for i, l in enumerate(lines) if l.startswith("sha256"))
+    else:
+        i = next(i for i, l in enumerate(lines) if l.startswith("build"))
+    toml.write_text("\n".join(lines[:i] + lines[i + 1:]) + "\n")
+    with pytest.raises(vendor.VendorError, match=what):
+        vendor.load_pin(root)
+
+
+def test_the_vendor_cli_takes_a_local_engine_sdist(two_source, monkeypatch, tmp_path):
+    """Offline (the device machine): ``pybmoe vendor --engine-sdist FILE`` verifies it and uses it."""
+    root, engine, _ = two_source
+    monkeypatch.setenv("PYBMOE_PYPI_JSON", (tmp_path / "nowhere").as_uri())
+    env = dict(os.environ, PYBMOE_ROOT=str(root), PYTHONPATH=str(ROOT))
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(engine.read_bytes()[:-10])
+    r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "vendor", "--engine-sdist", str(bad)], cwd=root,
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "refusing bad.tar.gz" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "vendor", "--engine-sdist", str(engine)], cwd=root,
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == str(root / "vendor" / "src" / "fakecpp-1.0+fakebin-2.0" / "vendor" / "llama.cpp")
