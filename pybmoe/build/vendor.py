@@ -216,8 +216,9 @@ def pypi_json_base() -> str:
 
 
 def engine_url(eng: EngineSource) -> str:
-    """The download URL of ``eng``'s sdist: from the registry's JSON API
-    (``<base>/<name>/<version>/json``, the file whose name is ``eng.filename``), else ``eng.url``.
+    """The download URL of ``eng``'s sdist: the file named ``eng.filename`` among the files the
+    registry's JSON API lists for ``eng.version`` (``<base>/<name>/json``, its ``releases``), else
+    ``eng.url``.
 
     Raises:
         VendorError: the API cannot be read or lists no such file, and the pin has no ``url``.
@@ -225,15 +226,14 @@ def engine_url(eng: EngineSource) -> str:
     import json
     import urllib.request
     from urllib.parse import urljoin
-    api = f"{pypi_json_base()}/{eng.name}/{eng.version}/json"
-    why = ""
+    api = f"{pypi_json_base()}/{eng.name}/json"
     try:
         with urllib.request.urlopen(api, timeout=60) as r:
             d = json.load(r)
-        for f in d.get("urls", []):
+        for f in d.get("releases", {}).get(eng.version, []):
             if f.get("filename") == eng.filename:
                 return urljoin(api, f["url"])
-        why = f"{api} lists no {eng.filename}"
+        why = f"{api} lists no {eng.filename} for version {eng.version}"
     except Exception as e:  # network, HTTP or JSON errors: fall back to the pinned URL
         why = f"cannot read {api}: {e}"
     if eng.url:

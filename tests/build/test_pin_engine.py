@@ -53,9 +53,10 @@ def two_source(tmp_path, monkeypatch):
     _write(etop, {"setup.py": "", "src/fakebin/__init__.py": ""})
     engine = _tar(files / "fakebin-2.0.tar.gz", etop, "fakebin-2.0")
     api = tmp_path / "pypi"
-    (api / "fakebin" / "2.0").mkdir(parents=True)
-    (api / "fakebin" / "2.0" / "json").write_text(json.dumps(
-        {"urls": [{"filename": "fakebin-2.0.tar.gz", "packagetype": "sdist", "url": engine.as_uri()}]}))
+    (api / "fakebin").mkdir(parents=True)
+    (api / "fakebin" / "json").write_text(json.dumps({"releases": {
+        "1.0": [{"filename": "fakebin-1.0.tar.gz", "packagetype": "sdist", "url": "file:///nonexistent"}],
+        "2.0": [{"filename": "fakebin-2.0.tar.gz", "packagetype": "sdist", "url": engine.as_uri()}]}}))
     cache = tmp_path / "cache"
     (cache / "sdist").mkdir(parents=True)
     (cache / "sdist" / bindings.name).write_bytes(bindings.read_bytes())  # pip is not asked for it
@@ -119,8 +120,8 @@ def test_a_tampered_engine_sdist_is_refused_and_not_kept(two_source):
     data = bytearray(engine.read_bytes())
     data[len(data) // 2] ^= 0xFF
     bad.write_bytes(bytes(data))
-    (api / "fakebin" / "2.0" / "json").write_text(json.dumps(
-        {"urls": [{"filename": "fakebin-2.0.tar.gz", "url": bad.as_uri()}]}))
+    (api / "fakebin" / "json").write_text(json.dumps(
+        {"releases": {"2.0": [{"filename": "fakebin-2.0.tar.gz", "url": bad.as_uri()}]}}))
     with pytest.raises(vendor.HashMismatchError, match="does not match the pin"):
         vendor.ensure_tree(root, log=lambda *_: None)
     assert not list(vendor.cache_dir().glob("fakebin-2.0*"))
