@@ -88,7 +88,7 @@ router ``2/sqrt(n_embd)``), except ``exp_probs_b``: per layer, the ``n_expert`` 
 chosen top-k of about 70% of tokens (numpy simulation, 16 experts, top-4, random inputs) while
 every expert keeps being picked.
 
-What the pinned llama.cpp (``vendor/src/llama_cpp_python-0.3.36/vendor/llama.cpp``) expects:
+What the pinned llama.cpp (``vendor/src/<pin>/vendor/llama.cpp``) expects:
 
 * hparams: ``src/models/deepseek2.cpp:3-53`` (lite detection :8, ``q_lora_rank`` :13, MLA
   lengths :16-17, shared count :19, weights scale/norm :20-21, gating :22); experts, groups and

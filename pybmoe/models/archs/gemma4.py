@@ -72,7 +72,7 @@ Derived hyperparameters (metadata keys under ``gemma4.``):
 
 Shapes it cannot take (:func:`validate` raises :class:`ValueError`): ``n_layer < 2``.
 
-What the pinned llama.cpp expects (``vendor/src/llama_cpp_python-0.3.36/vendor/llama.cpp``):
+What the pinned llama.cpp expects (``vendor/src/<pin>/vendor/llama.cpp``):
 
 * ``src/models/gemma4.cpp:4-35`` hparams: ``attention.sliding_window_pattern`` (an array,
   required), ``attention.sliding_window``, ``embedding_length_per_layer_input``,

@@ -75,7 +75,7 @@ Shapes it cannot take (:func:`validate` raises :class:`ValueError`): ``n_ctx_tra
 sliding window of 0 tokens); every other shape :class:`~pybmoe.models.ModelSpec` accepts loads
 and generates.
 
-What llama.cpp expects, in the pinned tree (``vendor/src/llama_cpp_python-0.3.36/vendor/llama.cpp``)::
+What llama.cpp expects, in the pinned tree (``vendor/src/<pin>/vendor/llama.cpp``)::
 
     src/models/openai-moe.cpp:3-20     hparams: rms eps, expert_feed_forward_length (required), sliding_window
                                        (required), SWA type standard with pattern 2, rope.freq_base_swa (optional)

@@ -83,7 +83,7 @@ Gate and up experts are separate tensors: the pinned converter splits the checkp
 fuses with ``--fuse-gate-up-exps``; the loader takes either (``create_tensor_gate_up_exps``,
 ``src/llama-model.cpp:3387``). At the defaults the file is about 60 MiB (Q8_0).
 
-What the pinned llama.cpp expects (paths under ``vendor/src/llama_cpp_python-0.3.36/vendor/llama.cpp``):
+What the pinned llama.cpp expects (paths under ``vendor/src/<pin>/vendor/llama.cpp``):
 
 - ``src/llama-model.cpp:1335-1338``: ``block_count`` -> ``n_layer_all``, ``nextn_predict_layers`` ->
   ``n_layer_nextn``; ``src/llama-hparams.cpp:348``: ``n_layer() = n_layer_all - n_layer_nextn``.
