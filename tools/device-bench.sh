@@ -25,7 +25,8 @@
 #    the PNGs.
 # Output: $OUT (default build/device-bench-out; --cpu-smoke: build/device-bench-smoke):
 #   summary.txt (phase timings and results), device-bench.csv, device-bench-tg.png,
-#   device-bench-pp.png, runs.tsv, runs/*.csv|log, bw.txt, synth.txt, build logs.
+#   device-bench-pp.png, runs.tsv, runs/*.csv|log, bw.txt, synth.txt, build logs (on the GPU machine
+#   all but the first five and table.txt are packed into logs.tar.gz at exit).
 # Knobs (environment): BENCH_BIN_DIR (prebuilt binaries: skip the builds), BENCH_DEADLINE_S (default 560: the whole run), BENCH_SLOTS, BENCH_TYPE,
 # BENCH_LAYERS, BENCH_N_PROMPT, BENCH_N_GEN, BENCH_REPS, BENCH_KEEP_MODEL=1, CUDA_ARCH (90).
 set -uo pipefail
@@ -60,6 +61,15 @@ fi
 T0=$(date +%s)
 DEADLINE=$((T0 + ${BENCH_DEADLINE_S:-560}))
 mkdir -p "$OUT/runs"
+# the device tool brings back at most 8 files from $OUT: on the GPU machine, at exit (also an early one),
+# everything but the results goes into $OUT/logs.tar.gz
+pack_out() {
+    local keep=" summary.txt table.txt runs.tsv device-bench.csv device-bench-tg.png device-bench-pp.png logs.tar.gz " rest=() f
+    ( cd "$OUT" || exit 0
+      for f in *; do [[ $keep == *" $f "* ]] || rest+=("$f"); done
+      [ ${#rest[@]} -eq 0 ] || { tar -czf logs.tar.gz "${rest[@]}" && rm -rf "${rest[@]}"; } )
+}
+[ "$MODE" = gpu ] && trap pack_out EXIT
 : > "$OUT/summary.txt"
 : > "$OUT/runs.tsv"
 log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/summary.txt"; }
