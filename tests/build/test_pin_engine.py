@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tar_folder, write_files
 from pybmoe.build import patches, vendor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,16 +24,6 @@ def _llama(src: str) -> dict[str, str]:
             "src/llama.cpp": src, "models/ggml-vocab-x.gguf": "vocab\n"}
 
 
-def _write(d: Path, files: dict[str, str]) -> None:
-    for rel, text in files.items():
-        (d / rel).parent.mkdir(parents=True, exist_ok=True)
-        (d / rel).write_text(text)
-
-
-def _tar(out: Path, d: Path, arcname: str) -> Path:
-    with tarfile.open(out, "w:gz") as tf:
-        tf.add(d, arcname=arcname)
-    return out
 
 
 @pytest.fixture
@@ -44,14 +35,14 @@ def two_source(tmp_path, monkeypatch):
     files = tmp_path / "files"
     files.mkdir()
     top = tmp_path / "b" / "fakecpp-1.0"
-    _write(top / "vendor" / "llama.cpp", _llama(_SRC))
-    _write(top / "llama_cpp", {"__init__.py": "# the bindings\n"})
-    bindings = _tar(files / "fakecpp-1.0.tar.gz", top, "fakecpp-1.0")
+    write_files(top / "vendor" / "llama.cpp", _llama(_SRC))
+    write_files(top / "llama_cpp", {"__init__.py": "# the bindings\n"})
+    bindings = tar_folder(files / "fakecpp-1.0.tar.gz", top, "fakecpp-1.0")
     newer = "".join(f"// new upstream line {i}\n" for i in range(5)) + _SRC
     etop = tmp_path / "e" / "fakebin-2.0"
-    _write(etop / "llama.cpp", _llama(newer))
-    _write(etop, {"setup.py": "", "src/fakebin/__init__.py": ""})
-    engine = _tar(files / "fakebin-2.0.tar.gz", etop, "fakebin-2.0")
+    write_files(etop / "llama.cpp", _llama(newer))
+    write_files(etop, {"setup.py": "", "src/fakebin/__init__.py": ""})
+    engine = tar_folder(files / "fakebin-2.0.tar.gz", etop, "fakebin-2.0")
     api = tmp_path / "pypi"
     (api / "fakebin").mkdir(parents=True)
     (api / "fakebin" / "json").write_text(json.dumps({"releases": {
