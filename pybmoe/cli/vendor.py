@@ -14,6 +14,16 @@ from ..build import vendor
 from ..build.vendor import VendorError, cache_dir, ensure_tree, load_pin, project_root, tree_dir, verify_sdist
 
 
+def _into_cache(path: Path, source) -> None:
+    """Verify the local sdist ``path`` against ``source`` (the pin or its ``[engine]``) and put it
+    where :func:`ensure_tree` looks for it. Raises HashMismatchError (a VendorError)."""
+    verify_sdist(path, source)
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    if path.resolve() != (cache / source.filename).resolve():
+        shutil.copyfile(path, cache / source.filename)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pybmoe vendor", description=vendor.__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="discard uncommitted edits in the vendored tree")
@@ -24,26 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         root = project_root()
-        if a.sdist:
-            pin = load_pin(root)
-            verify_sdist(a.sdist, pin)
-            cache = cache_dir()
-            cache.mkdir(parents=True, exist_ok=True)
-            if a.sdist.resolve() != (cache / pin.filename).resolve():
-                shutil.copyfile(a.sdist, cache / pin.filename)
-            if tree_dir(root, pin).exists() and a.force:
-                shutil.rmtree(tree_dir(root, pin))
+        pin = load_pin(root)
+        local = [(a.sdist, pin)]
         if a.engine_sdist:
-            pin = load_pin(root)
             if not pin.engine:
                 raise VendorError("--engine-sdist: vendor/upstream.toml pins no [engine] sdist")
-            verify_sdist(a.engine_sdist, pin.engine)
-            cache = cache_dir()
-            cache.mkdir(parents=True, exist_ok=True)
-            if a.engine_sdist.resolve() != (cache / pin.engine.filename).resolve():
-                shutil.copyfile(a.engine_sdist, cache / pin.engine.filename)
-            if tree_dir(root, pin).exists() and a.force:
-                shutil.rmtree(tree_dir(root, pin))
+            local.append((a.engine_sdist, pin.engine))
+        for path, source in local:
+            if path:
+                _into_cache(path, source)
+                if tree_dir(root, pin).exists() and a.force:
+                    shutil.rmtree(tree_dir(root, pin))
         print(ensure_tree(root, force=a.force))
     except VendorError as e:
         print(f"pybmoe vendor: error: {e}", file=sys.stderr)
