@@ -271,9 +271,6 @@ bool llama_moe_reader::read_one(lane & ln, const llama_moe_read & job, std::stri
     if (job.before) {
         job.before();
     }
-    if (!job.spans.empty()) {
-        return read_spans(ln, job, err);
-    }
     if (!direct) {
         size_t done = 0;
         while (done < job.nbytes) {
@@ -314,9 +311,17 @@ bool llama_moe_reader::read_one(lane & ln, const llama_moe_read & job, std::stri
         const size_t w0 = pos & ~(align - 1);
         const size_t w1 = std::min((end + align - 1) & ~(align - 1), w0 + chunk);
         const size_t want = w1 - w0;
-        if (!bounce_at_least(ln, want, align)) {
-            err = "moe-stream: out of memory for a read buffer";
-            return false;
+        if (ln.bounce_sz < want) {
+            free(ln.bounce);
+            ln.bounce = nullptr;
+            ln.bounce_sz = 0;
+            void * p = nullptr;
+            if (posix_memalign(&p, align, want) != 0) {
+                err = "moe-stream: out of memory for a read buffer";
+                return false;
+            }
+            ln.bounce = (uint8_t *) p;
+            ln.bounce_sz = want;
         }
         size_t got = 0;
         if (!read_window(job.file, ln.bounce, want, w0, got, err)) {
@@ -331,73 +336,6 @@ bool llama_moe_reader::read_one(lane & ln, const llama_moe_read & job, std::stri
         memcpy((uint8_t *) job.dst + (pos - job.offs), ln.bounce + (pos - w0), take);
         bytes_read += got;
         pos += take;
-    }
-    return true;
-#endif
-}
-
-bool llama_moe_reader::bounce_at_least(lane & ln, size_t n, size_t align) {
-    if (ln.bounce_sz >= n) {
-        return true;
-    }
-    free(ln.bounce);
-    ln.bounce    = nullptr;
-    ln.bounce_sz = 0;
-    void * p = nullptr;
-    if (posix_memalign(&p, align, n) != 0) {
-        return false;
-    }
-    ln.bounce    = (uint8_t *) p;
-    ln.bounce_sz = n;
-    return true;
-}
-
-bool llama_moe_reader::read_spans(lane & ln, const llama_moe_read & job, std::string & err) {
-#if defined(_WIN32)
-    GGML_UNUSED(ln); GGML_UNUSED(job); GGML_UNUSED(err);
-    return false;
-#else
-    if (!bounce_at_least(ln, LLAMA_MOE_SPAN_CHUNK, align)) {
-        err = "moe-stream: out of memory for a read buffer";
-        return false;
-    }
-    const int fd = fd_buffered[job.file];
-    for (const auto & sp : job.spans) {
-        const size_t end = sp.offs + sp.nbytes;
-        size_t ip  = 0;       // the first piece not wholly copied yet
-        size_t pos = sp.offs; // the next byte of the span to read
-        while (pos < end) {
-            // pieces of at most one chunk that end on a page boundary, so that each drop below takes whole
-            // pages (the kernel keeps a partly covered page)
-            const size_t stop = std::min(end, ((pos & ~(align - 1)) + LLAMA_MOE_SPAN_CHUNK));
-            const size_t want = stop - pos;
-            size_t got = 0;
-            while (got < want) {
-                const ssize_t n = pread(fd, ln.bounce + got, want - got, (off_t) (pos + got));
-                if (n <= 0) {
-                    err = format("moe-stream: short read: %zu of %zu bytes at offset %zu of %s (%s)", got, want, pos,
-                            paths[job.file].c_str(), n < 0 ? strerror(errno) : "end of file: truncated or changed on disk?");
-                    return false;
-                }
-                got += (size_t) n;
-            }
-            // copy out every piece's part in [pos, stop)
-            for (size_t i = ip; i < sp.pieces.size() && sp.pieces[i].offs < stop; ++i) {
-                const auto & pc = sp.pieces[i];
-                const size_t a = std::max(pc.offs, pos);
-                const size_t b = std::min(pc.offs + pc.nbytes, stop);
-                if (a < b) {
-                    memcpy((uint8_t *) pc.dst + (a - pc.offs), ln.bounce + (a - pos), b - a);
-                }
-                if (pc.offs + pc.nbytes <= stop && i == ip) {
-                    ip++;
-                }
-            }
-            // the bytes are copied out: their page cache goes, as it came (the budget holds the experts)
-            posix_fadvise(fd, (off_t) pos, (off_t) want, POSIX_FADV_DONTNEED);
-            bytes_read += want;
-            pos = stop;
-        }
     }
     return true;
 #endif

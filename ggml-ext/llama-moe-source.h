@@ -109,25 +109,6 @@ private:
     bool    q_stop = false;
 };
 
-// one expert's bytes inside a span (llama_moe_read_span): nbytes at offs of the job's file, copied to dst
-struct llama_moe_read_piece {
-    size_t offs;
-    size_t nbytes;
-    void * dst;
-};
-
-// a range of one file read whole, buffered and in order (the kernel's readahead sees one sequential
-// stream, as stock mmap's does), through the lane's bounce buffer; only its pieces (sorted by offs,
-// inside the range) are copied out, and the range is dropped from the page cache as it is read
-struct llama_moe_read_span {
-    size_t offs;
-    size_t nbytes;
-    std::vector<llama_moe_read_piece> pieces;
-};
-
-// the size of a span read's pieces: the lane's bounce buffer, and what one read asks of the kernel
-static constexpr size_t LLAMA_MOE_SPAN_CHUNK = 8u << 20;
-
 // one range to read: nbytes at offs of file `file` into dst. in_place: dst shares the file offset's
 // alignment (dst - offs is a multiple of 4096) and the aligned window around the range may be written
 // around dst (the bytes there are the file's own, or free), so an O_DIRECT read lands there directly,
@@ -141,9 +122,6 @@ struct llama_moe_read {
     // run on the lane before the read (the stream tier maps the destination's page frames there, off the
     // compute thread); may be empty
     std::function<void()> before;
-    // when not empty, the job is these span reads of `file`, in order, on one lane, and offs, nbytes,
-    // dst and in_place are unused (a dense set of experts: llama_moe_stream::read_jobs)
-    std::vector<llama_moe_read_span> spans;
 };
 
 // Reads ranges of the source files into memory on n_lanes threads at once. With O_DIRECT (the page
@@ -179,9 +157,6 @@ private:
     struct lane;
     void lane_main(int32_t il);
     bool read_one(lane & ln, const llama_moe_read & job, std::string & err);
-    bool read_spans(lane & ln, const llama_moe_read & job, std::string & err);
-    // the lane's bounce buffer holds at least n bytes (aligned); false on no memory
-    static bool bounce_at_least(lane & ln, size_t n, size_t align);
     // reads [w0, w0 + want) of `file` with O_DIRECT into dst (aligned), stopping at the end of the file;
     // got = the bytes read. false (err set) on a failed read
     bool read_window(uint16_t file, uint8_t * dst, size_t want, size_t w0, size_t & got, std::string & err);

@@ -60,16 +60,6 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                 __func__, policy.c_str());
         return -1;
     }
-    // how a dense set of experts is read (llama_moe_stream::read_jobs): auto (the default) reads a dense set
-    // of LLAMA_MOE_SPAN_CHUNK or more as buffered spans, span every dense set (the tests' tiny models), runs
-    // none (O_DIRECT runs, as for decode)
-    const char * reads_env = getenv("PYBMOE_MOE_STREAM_READS");
-    const std::string reads = reads_env && *reads_env ? reads_env : "auto";
-    if (reads != "auto" && reads != "span" && reads != "runs") {
-        LLAMA_LOG_ERROR("%s: moe-stream: PYBMOE_MOE_STREAM_READS=%s; accepted: auto (the default), span, runs\n", __func__,
-                reads.c_str());
-        return -1;
-    }
     const auto & hp = model->hparams;
     if (hp.n_expert == 0) {
         LLAMA_LOG_WARN("%s: moe-stream: model has no MoE layers; --moe-stream-cache-mb is inert\n", __func__);
@@ -210,12 +200,6 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     st.entry_cost   = entry_cost;
     st.prefetch_entries = prefetch;
     st.is_auto      = is_auto;
-    st.span_reads   = reads != "runs";
-    st.span_min     = reads == "span" ? 0 : LLAMA_MOE_SPAN_CHUNK;
-    // a span read's memory: one lane's bounce buffer, and the page cache of the piece it reads and of the
-    // kernel's readahead past it (each piece is dropped once copied out)
-    const int64_t span_mem = st.span_reads ? 3 * (int64_t) LLAMA_MOE_SPAN_CHUNK : 0;
-    st.buffer_bytes = span_mem;
 
     int64_t budget = 0;
     if (is_auto) {
@@ -232,7 +216,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             prefetch = std::clamp<int64_t>(held / 8, prefetch_min, n_expert);
             st.prefetch_entries = prefetch;
         }
-        const int64_t room = (int64_t) m.avail() - dense - prefetch * entry_cost - span_mem;
+        const int64_t room = (int64_t) m.avail() - dense - prefetch * entry_cost;
         const int64_t want = room - floor;
         int64_t room_entries = want > 0 ? want / entry_cost : 0; // what the memory holds, before the caps
         // the caps: the ceiling (a budget, as a fixed one) and every streamed expert
@@ -255,10 +239,10 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         }
         budget = entries * (int64_t) entry;
         LLAMA_LOG("%s: moe-stream: auto: %s -> %.0f MiB available - %.0f MiB dense weights in host memory - %.0f MiB "
-                "prefetch window (%lld experts) - %.0f MiB span buffers - %.0f MiB floor%s%s -> %lld experts of %.3f MiB (+%.0f KiB page rounding each) = budget %.0f MiB (experts %.0f MiB, "
+                "prefetch window (%lld experts) - %.0f MiB floor%s%s -> %lld experts of %.3f MiB (+%.0f KiB page rounding each) = budget %.0f MiB (experts %.0f MiB, "
                 "minimum %.0f MiB); each context's host memory (KV cache, compute, output) is set aside when it is "
                 "created%s\n", __func__, m.describe().c_str(), m.avail() / mib, dense / mib,
-                (double) (prefetch * entry_cost) / mib, (long long) prefetch, span_mem / mib, floor / mib,
+                (double) (prefetch * entry_cost) / mib, (long long) prefetch, floor / mib,
                 floor_auto ? format(" (auto: 1/16 of the %.0f MiB %s, %d .. %d MiB)", limit / mib,
                         m.cgroup_limit ? "limit" : "of RAM", LLAMA_MOE_STREAM_FLOOR_MIN_MIB,
                         LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT).c_str() : "",
@@ -266,11 +250,10 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                 (entry_cost - (int64_t) entry) / 1024.0, budget / mib, total / mib, min_bytes / mib, note.c_str());
         if (entries < min_entries) {
             LLAMA_LOG_ERROR("%s: moe-stream: auto: %.0f MiB available - %.0f MiB dense weights - %.0f MiB prefetch window "
-                    "- %.0f MiB span buffers leaves %.0f MiB, under the "
+                    "leaves %.0f MiB, under the "
                     "mechanical minimum of %.1f MiB (%lld experts of %.2f MiB: the most one layer step needs at ubatch %d) "
                     "plus %d MiB; give the process more memory or a smaller -ub\n", __func__,
-                    m.avail() / mib, dense / mib, (double) (prefetch * entry_cost) / mib, span_mem / mib,
-                    std::max<int64_t>(room, 0) / mib,
+                    m.avail() / mib, dense / mib, (double) (prefetch * entry_cost) / mib, std::max<int64_t>(room, 0) / mib,
                     min_bytes / mib,
                     (long long) min_entries, entry / mib, n_ubatch, LLAMA_MOE_STREAM_FLOOR_MIN_MIB);
             return LLAMA_MOE_STREAM_ERR_BUDGET;
@@ -406,10 +389,10 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
 #endif
 
     LLAMA_LOG("%s: moe-stream: %zu of %d MoE layers stream their experts from %s%s: budget %.1f MiB (%lld experts of "
-            "%.3f MiB), policy %s, %d read lanes, %s%s; streamed experts keep the GGUF layout (no CPU repack)\n", __func__,
+            "%.3f MiB), policy %s, %d read lanes, %s; streamed experts keep the GGUF layout (no CPU repack)\n", __func__,
             st.layers.size(), n_moe, mc->sources.paths[0].c_str(), mc->sources.paths.size() > 1 ? " and its splits" : "",
             budget / mib, (long long) st.lru.capacity, entry / mib, policy.c_str(), st.reader.n_lanes,
-            st.reader.direct ? "O_DIRECT" : "buffered", st.span_reads ? " (a dense set: buffered span reads on one lane)" : "");
+            st.reader.direct ? "O_DIRECT" : "buffered");
     // the preamble: one line, key=value (pybmoe.engine parses it)
     LLAMA_LOG("moe-stream-preamble: layers=%zu n_expert=%d top_k=%d budget_mb=%.2f cache_cycle_mb=%.2f layer_demand_mb=%.2f "
             "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f prefetch_experts=%lld\n", st.layers.size(), n_expert, n_used,

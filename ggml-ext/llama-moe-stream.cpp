@@ -289,61 +289,6 @@ std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_l
     // one read per run of consecutive expert ids (they are adjacent in the file and in the reservation; a
     // prefill step wants most of a layer), cut into reads of at most ~8 MiB so that the lanes share the work
     std::vector<llama_moe_read> jobs;
-    if (experts.empty()) {
-        return jobs;
-    }
-    const size_t span_ids = (size_t) (experts.back() - experts.front() + 1);
-    if (span_reads && 3 * experts.size() >= 2 * span_ids && span_ids * l.entry_bytes() >= span_min) {
-        // a dense set: per file, one job of a span per projection, in file order
-        const size_t e0 = (size_t) experts.front();
-        for (int p = 0; p < l.n_proj; ++p) {
-            const size_t n = l.expert_nbytes[p];
-            llama_moe_read_span sp { l.src[p].offs + e0 * n, span_ids * n, {} };
-            sp.pieces.reserve(experts.size());
-            for (int32_t e : experts) {
-                sp.pieces.push_back({ l.src[p].offs + (size_t) e * n, n, l.base[p] + (size_t) e * n });
-            }
-            nbytes     += experts.size() * n;
-            span_bytes += sp.nbytes;
-            auto it = std::find_if(jobs.begin(), jobs.end(), [&](const llama_moe_read & j) { return j.file == l.src[p].file; });
-            if (it == jobs.end()) {
-                jobs.push_back({ l.src[p].file, 0, 0, nullptr, false, {}, {} });
-                it = jobs.end() - 1;
-            }
-            it->spans.push_back(std::move(sp));
-        }
-        for (auto & job : jobs) {
-            std::sort(job.spans.begin(), job.spans.end(), [](const llama_moe_read_span & a, const llama_moe_read_span & b) {
-                return a.offs < b.offs;
-            });
-            bool any_frames = false;
-            for (int p = 0; p < l.n_proj; ++p) {
-                any_frames |= frames[p].on();
-            }
-            if (any_frames) {
-                llama_moe_stream * self = this;
-                const uint16_t file = job.file;
-                const int32_t li = l.li;
-                std::vector<int32_t> ids = experts;
-                job.before = [self, file, li, ids] {
-                    const auto & ll = self->layers[li];
-                    for (int p = 0; p < ll.n_proj; ++p) {
-                        if (ll.src[p].file != file || !self->frames[p].on()) {
-                            continue;
-                        }
-                        for (int32_t e : ids) {
-                            const int32_t entry = li * self->lru.n_expert + e;
-                            uint8_t * addr = nullptr;
-                            size_t    len  = 0;
-                            self->interior(entry, p, addr, len);
-                            self->frames[p].map(entry, addr, len);
-                        }
-                    }
-                };
-            }
-        }
-        return jobs;
-    }
     for (int p = 0; p < l.n_proj; ++p) {
         const size_t n = l.expert_nbytes[p];
         const size_t per_job = std::max<size_t>(1, (8u << 20) / n);
@@ -353,7 +298,7 @@ std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_l
                 j++;
             }
             const size_t e = (size_t) experts[i];
-            llama_moe_read job { l.src[p].file, l.src[p].offs + e * n, (j - i) * n, l.base[p] + e * n, /*in_place =*/ true, {}, {} };
+            llama_moe_read job { l.src[p].file, l.src[p].offs + e * n, (j - i) * n, l.base[p] + e * n, /*in_place =*/ true, {} };
             if (frames[p].on()) {
                 const int32_t first = l.li * lru.n_expert + (int32_t) e;
                 const int32_t count = (int32_t) (j - i);
@@ -424,11 +369,11 @@ void llama_moe_stream::print_summary() const {
     }
     const uint64_t n = st.hits + st.misses;
     LLAMA_LOG("moe-stream: %.1f%% hit, resident %.1f MiB, misses %llu (read %.1f MiB, %.2f MiB/token), io wait %.3f s, "
-            "major faults %llu, prefetched %.1f MiB (%.1f MiB of it used), scan steps %llu, span reads %.1f MiB\n", n ? 100.0*st.hits/n : 0.0,
+            "major faults %llu, prefetched %.1f MiB (%.1f MiB of it used), scan steps %llu\n", n ? 100.0*st.hits/n : 0.0,
             st.resident_bytes/1024.0/1024.0, (unsigned long long) st.misses, st.read_bytes/1024.0/1024.0,
             st.n_tokens ? st.read_bytes/1024.0/1024.0/st.n_tokens : 0.0, st.io_wait_us/1e6,
             (unsigned long long) st.major_faults, st.prefetch_bytes/1024.0/1024.0, st.prefetch_used/1024.0/1024.0,
-            (unsigned long long) n_scans, span_bytes.load()/1024.0/1024.0);
+            (unsigned long long) n_scans);
 }
 
 //

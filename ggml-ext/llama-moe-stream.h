@@ -91,7 +91,6 @@ struct llama_moe_stream {
     int64_t limit_bytes  = 0; // the cgroup's limit, else MemTotal
     int64_t dense_bytes  = 0; // the dense weights in host memory
     int64_t entry_cost   = 0; // an entry's bytes plus the partial pages it can commit
-    int64_t buffer_bytes = 0; // the tier's own buffers beside the entries (the span reads')
     std::map<const void *, int64_t> contexts; // live contexts -> their host memory (KV cache, compute, output)
     bool    over_warned  = false;
 
@@ -105,8 +104,7 @@ struct llama_moe_stream {
 
     // what the budget and everything beside it need, bytes (the fixed budget's check)
     int64_t need_bytes() const {
-        return (budget_bytes / (int64_t) entry_bytes + prefetch_entries) * entry_cost + buffer_bytes + dense_bytes +
-               contexts_bytes();
+        return (budget_bytes / (int64_t) entry_bytes + prefetch_entries) * entry_cost + dense_bytes + contexts_bytes();
     }
 
     // a context was created (its host memory: KV cache, compute and output buffers) or freed. auto sets
@@ -143,11 +141,6 @@ struct llama_moe_stream {
     // the misses and the output are those of a run without it; only io wait and memory differ (the
     // prefetched bytes, at most prefetch_entries entries, are counted by auto). 0 turns it off.
     int64_t              prefetch_entries = 0;
-    // a dense set of experts of span_min bytes or more is read as buffered spans (read_jobs);
-    // PYBMOE_MOE_STREAM_READS: auto (span_min LLAMA_MOE_SPAN_CHUNK), span (0), runs (off)
-    bool                 span_reads       = true;
-    size_t               span_min         = LLAMA_MOE_SPAN_CHUNK;
-    std::atomic<uint64_t> span_bytes { 0 };     // counter: bytes the span reads took from the file
     int32_t              prefetch_li      = -1; // the layer whose reads are in flight, -1: none
     std::vector<uint8_t> prefetched;            // [n_expert] of prefetch_li
     uint64_t             prefetch_bytes   = 0;  // counters: bytes prefetched, and of them those a step used
@@ -195,14 +188,8 @@ struct llama_moe_stream {
     // drops entries' bytes: their interiors go back to the kernel, or their frames to the free list
     void release(const std::vector<int32_t> & entries);
 
-    // the reads of layer li's experts `experts` (sorted) into their places, each mapping its experts' page
-    // frames first; adds their bytes to nbytes. A sparse set (decode): O_DIRECT reads in place, one per run
-    // of consecutive ids cut at ~8 MiB, shared by the lanes. A dense set (span_reads, and the experts fill
-    // at least 2/3 of the ids from the first to the last, over at least span_min bytes: a prefill's
-    // step, or its prefetch): one job on one lane that reads each projection's span whole, buffered, and
-    // copies out only these experts (the others' pages are not written). Measured on a pp32-like pass that
-    // wants 87 % of each layer (tools/probe-scan-reads.py, docs/stream-tier.md "Span reads"): one buffered
-    // stream 2808 / 3223 MiB/s against 1916 / 1156 MiB/s for O_DIRECT runs on 4 lanes
+    // the reads of layer li's experts `experts` (sorted) into their places, one per run of consecutive
+    // ids cut at ~8 MiB, each mapping its experts' page frames first; adds their bytes to nbytes
     std::vector<llama_moe_read> read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
                                           size_t & nbytes);
 
@@ -213,7 +200,7 @@ struct llama_moe_stream {
     void get_stats(llama_moe_stream_stats & out) const;
 
     // "moe-stream: <hit>% hit, resident <X> MiB, misses <n> (read <Y> MiB, <Z> MiB/token), io wait <T> s,
-    // major faults <F>, prefetched <P> MiB (<U> MiB of it used), scan steps <S>, span reads <R> MiB"
+    // major faults <F>, prefetched <P> MiB (<U> MiB of it used), scan steps <S>"
     void print_summary() const;
 
     // gives the reservations back (the tensors must not be read after)
