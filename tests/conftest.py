@@ -189,7 +189,7 @@ SLOW: dict[str, str | set[str]] = {
         "test_map_keeps_the_curve_at_the_same_fraction_of_experts",  # 3 s
     },
     "tests/engine/test_stream_defaults.py": {
-        "test_dense_auto_picks_anon_only_when_the_gguf_does_not_fit_and_stays_exact",  # 7 s
+        "test_dense_auto_picks_anon_only_for_a_fixed_budget_when_the_gguf_does_not_fit_and_stays_exact",  # 7 s
         "test_the_load_reads_only_the_dense_weights",  # 14 s
     },
     "tests/test_cli.py": {

@@ -590,8 +590,9 @@ class Llama(llama_cpp.Llama):
             memory limit, 64 .. 1536 MiB).
         moe_stream_io_threads: the stream tier's read lanes (1 .. 64).
         dense_weights: the non-expert weights in host memory (``--dense-weights``): ``"auto"``
-            (the default: with the stream tier, ``"anon"`` when the GGUF is larger than the memory
-            available, else ``"mmap"``), ``"mmap"``, ``"warm"`` or ``"anon"``.
+            (the default: with the stream tier at a fixed budget, ``"anon"`` when the GGUF is larger
+            than the memory available and the budget and the dense weights fit in it, else ``"mmap"``),
+            ``"mmap"``, ``"warm"`` or ``"anon"``.
 
     Raises:
         ValueError: a bad cache value or override, an unreachable RPC server, or a model that

@@ -158,7 +158,7 @@ def test_a_fixed_budget_that_does_not_fit_gets_one_warn(model, facts, tmp_path):
     assert "does not fit" not in ok.log
 
 
-def test_dense_auto_picks_anon_only_when_the_gguf_does_not_fit_and_stays_exact(model, facts, tmp_path):
+def test_dense_auto_picks_anon_only_for_a_fixed_budget_when_the_gguf_does_not_fit_and_stays_exact(model, facts, tmp_path):
     base = run(model, tmp_path, None, [], "base")
     # less than the GGUF is available, but the 4 MiB budget and the dense weights fit beside each other
     avail = facts["file"] / MIB - 5
@@ -170,6 +170,10 @@ def test_dense_auto_picks_anon_only_when_the_gguf_does_not_fit_and_stays_exact(m
     # a budget that does not fit beside them: mapped pages can be reclaimed, anonymous ones cannot
     tight = run(model, tmp_path, small, ["--moe-stream-cache-mb", "16"], "dense-tight")
     assert tight.log.count("dense weights: auto -> mmap: the budget and the dense weights") == 1
+    # auto sizes the budget beside the dense weights, with its floor: they stay mapped
+    auto = run(model, tmp_path, small, ["--moe-stream-cache-mb", "auto", "--moe-stream-floor-mb", "0"], "dense-auto")
+    assert auto.log.count("dense weights: auto -> mmap: --moe-stream-cache-mb auto sized the budget") == 1, auto.log[-3000:]
+    assert "anonymous memory" not in auto.log and auto.logits == base.logits
     roomy = run(model, tmp_path, None, ["--moe-stream-cache-mb", "auto"], "dense-roomy")
     assert roomy.log.count("dense weights: auto -> mmap: the GGUF") == 1
     assert "anonymous memory" not in roomy.log and roomy.logits == base.logits
