@@ -16,9 +16,10 @@ sweep-settings.csv when OUT is a new folder (default: OUT/sweep-settings.csv).
 ``--predict``: the prediction of ``pybmoe size --stream-mb`` (:func:`pybmoe.routing.sizing.predict_stream`)
 against each tg run, with its inputs measured in the same run: the all-resident decode speed of each
 model (3 warm runs without a limit, median, first), and the disk (:func:`pybmoe.bench.disk.probe` on
-the model's own file, the tier's lanes, right before each pair of runs). Adds ``probe_mib_s`` and
-``predicted_ts`` to the runs, and to the summary the medians of both and measured / predicted per point
-(OUT/sweep-confirm-prediction.csv).
+the model's own file, the tier's lanes, right before each pair of runs, twice: random projections, and
+decode's layer steps of top-k experts, ``top_k``). Adds ``probe_mib_s``, ``probe_steps_mib_s``,
+``predicted_ts`` and ``predicted_steps_ts`` to the runs, and to the summary their medians and measured /
+predicted per point for each probe (OUT/sweep-confirm-prediction.csv).
 
 Usage: tools/bench-stream-confirm.py --out DIR --traces DIR [--settings CSV] [--modes tg,pp] [--predict] A=a.gguf ...
 """
@@ -75,6 +76,8 @@ def main() -> int:
                 pts = [stream.StreamPoint("defaults", "auto"), against[mode]]
                 for rep in range(a.repeats):
                     probe = disk.probe(model).mib_s if a.predict and mode == "tg" else None
+                    probe_steps = (disk.probe(model, top_k=sizing.model_shape(model).top_k).mib_s
+                                   if a.predict and mode == "tg" else None)
                     for pt in (pts if rep % 2 == 0 else pts[::-1]):
                         log = a.out / "confirm-logs" / f"{s.model}-{s.factor:g}x-{s.routing}-{mode}-{pt.name.replace(':', '-')}-{rep}.log"
                         r = stream.run_point(model, pt, mode, limit=lim, cold=True, log_path=log,
@@ -86,16 +89,18 @@ def main() -> int:
                                          hit_pct=r.get("stream_hit_pct"), io_wait_s=r.get("stream_io_wait_s"),
                                          read_mib_per_token=r.get("stream_read_mib_per_token"),
                                          budget_mb=r.get("stream_budget_after_contexts_mb") or r.get("stream_budget_mb"),
-                                         peak_mib=r.get("peak_mib"), probe_mib_s=probe))
+                                         peak_mib=r.get("peak_mib"), probe_mib_s=probe,
+                                         probe_steps_mib_s=probe_steps))
                         if probe is not None:
                             budget = rows[-1]["budget_mb"]
                             key = f"{s.routing}-{s.model}"
                             if key not in traces:
                                 traces[key] = tr.read_trace(a.traces / f"{key}.csv")
                             trace = traces[key]
-                            p = sizing.predict_stream(sizing.model_shape(model), trace, float(budget), disk_mib_s=probe,
-                                                      resident_tok_s=resident[s.model], tokens=a.n_gen + 1, skip=1)
-                            rows[-1]["predicted_ts"] = p.tok_s
+                            for col, bw in (("predicted_ts", probe), ("predicted_steps_ts", probe_steps)):
+                                p = sizing.predict_stream(sizing.model_shape(model), trace, float(budget), disk_mib_s=bw,
+                                                          resident_tok_s=resident[s.model], tokens=a.n_gen + 1, skip=1)
+                                rows[-1][col] = p.tok_s
                         print(f"{s.model} {s.factor:g}x {s.routing} {mode} {pt.name} {rep}: {r['avg_ts']:.2f} tok/s",
                               file=sys.stderr, flush=True)
                 pd.DataFrame(rows).to_csv(a.out / "sweep-confirm.csv", index=False)
@@ -113,8 +118,10 @@ def main() -> int:
         t = df[df["mode"] == "tg"]
         pr = t.groupby(["model", "factor", "routing", "point"], sort=False).agg(
             ts=("ts", "median"), predicted_ts=("predicted_ts", "median"), probe_mib_s=("probe_mib_s", "median"),
+            predicted_steps_ts=("predicted_steps_ts", "median"), probe_steps_mib_s=("probe_steps_mib_s", "median"),
             hit_pct=("hit_pct", "median"), read_mib_per_token=("read_mib_per_token", "median")).reset_index()
         pr["measured_vs_predicted"] = pr.ts / pr.predicted_ts
+        pr["measured_vs_predicted_steps"] = pr.ts / pr.predicted_steps_ts
         pr.to_csv(a.out / "sweep-confirm-prediction.csv", index=False)
         print(pr.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     print(summary.to_string(index=False, float_format=lambda v: f"{v:.2f}"))

@@ -15,6 +15,17 @@ tier's own read size. The page cache plays no part (O_DIRECT), so no root is nee
 quiet machine, in the same session as the benchmark it explains (these disks vary 0.8 - 2 GB/s from
 day to day).
 
+``top_k`` reads as decode does instead (:func:`probe`'s ``top_k``): in layer steps, the layers in
+file order as a token steps through them, each step ``top_k`` random distinct experts of its layer,
+all their projections, consecutive experts merged into one read as the tier's ``read_jobs`` merges
+them, the lanes taking the step's reads one by one and meeting at its end. That is the pattern of the
+tier's decode misses (one layer's experts close together in the file, a few reads per step, the lanes
+idle at each step's tail), which the random pattern lacks. Measured against the tier's own decode
+reads (``docs/benchmarks.md``, "Decode at the defaults: the dense policy and the disk probe"), it is
+steadier than the random probe (648-979 against 445-3232 MiB/s over one run) but no closer to the
+tier's rate, which swings by 3x between two runs of the same reads; the random probe stays the
+prediction's default.
+
 Errors: :class:`ValueError` for a file without expert tensors or bad arguments; :class:`OSError` when
 the file cannot be opened (with O_DIRECT: a file system that refuses it says so).
 """
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,8 +48,8 @@ ALIGN = 4096
 @dataclass(frozen=True)
 class DiskProbe:
     """One probe: ``mib_s`` MiB/s over ``reads`` reads of ``read_bytes`` bytes (the aligned window around
-    one expert projection) on ``lanes`` threads, ``direct`` (O_DIRECT) or buffered, into ``fresh`` pages
-    per read or one reused buffer per lane."""
+    one expert projection; with ``top_k``, the largest read of the steps) on ``lanes`` threads,
+    ``direct`` (O_DIRECT) or buffered, into ``fresh`` pages per read or one reused buffer per lane."""
 
     mib_s: float
     read_bytes: int
@@ -46,6 +58,7 @@ class DiskProbe:
     seconds: float
     direct: bool
     fresh: bool = False
+    top_k: int | None = None  # decode's layer steps of top_k experts (read_bytes: the largest read), or random
 
 
 def expert_windows(model: str | os.PathLike) -> tuple[list[tuple[int, int]], int]:
@@ -70,13 +83,88 @@ def expert_windows(model: str | os.PathLike) -> tuple[list[tuple[int, int]], int
     return out, size
 
 
+def expert_layers(model: str | os.PathLike) -> dict[int, list[tuple[int, int, int]]]:
+    """Each MoE layer's expert tensors as (data offset, bytes per expert, experts), in file order, by
+    layer index. Raises :class:`ValueError` for a file without expert tensors."""
+    import gguf
+    r = gguf.GGUFReader(str(model))
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for t in r.tensors:
+        if not t.name.endswith("_exps.weight") or len(t.shape) != 3:
+            continue
+        n_expert = int(t.shape[-1])
+        out.setdefault(int(t.name.split(".")[1]), []).append((int(t.data_offset), int(t.n_bytes) // n_expert, n_expert))
+    if not out:
+        raise ValueError(f"{model} has no expert tensors (blk.N.*_exps.weight); accepted: a MoE GGUF")
+    return {il: sorted(ts) for il, ts in sorted(out.items())}
+
+
+def step_reads(tensors: list[tuple[int, int, int]], experts: np.ndarray) -> list[tuple[int, int]]:
+    """One layer step's reads (aligned offset, aligned length): per expert tensor, one read per run of
+    consecutive ids among ``experts`` (sorted), as the tier's ``read_jobs`` makes them."""
+    out = []
+    for off, per, _ in tensors:
+        i = 0
+        while i < len(experts):
+            j = i + 1
+            while j < len(experts) and experts[j] == experts[j - 1] + 1:
+                j += 1
+            a, b = off + int(experts[i]) * per, off + (int(experts[j - 1]) + 1) * per
+            w0 = a & ~(ALIGN - 1)
+            out.append((w0, ((b + ALIGN - 1) & ~(ALIGN - 1)) - w0))
+            i = j
+    return out
+
+
+def _probe_steps(model, lanes: int, total_mib: float, seed: int, top_k: int) -> DiskProbe:
+    layers = expert_layers(model)
+    rng = np.random.default_rng(seed)
+    ids = list(layers)
+    steps, n_bytes, biggest = [], 0, 0
+    while n_bytes < total_mib * MIB:  # tokens: the layers in order, as decode steps through them
+        ts = layers[ids[len(steps) % len(ids)]]
+        reads = step_reads(ts, np.sort(rng.choice(ts[0][2], size=min(top_k, ts[0][2]), replace=False)))
+        steps.append(reads)
+        n_bytes += sum(n for _, n in reads)
+        biggest = max(biggest, *(n for _, n in reads))
+    direct = hasattr(os, "O_DIRECT")
+    try:
+        fd = os.open(str(model), os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    except OSError:
+        direct = False
+        fd = os.open(str(model), os.O_RDONLY)
+    local = threading.local()
+
+    def one(read: tuple[int, int]) -> int:
+        if getattr(local, "buf", None) is None:  # one buffer per lane, its pages allocated once, as a frame's
+            local.buf = mmap.mmap(-1, biggest)
+            local.buf.write(bytes(biggest))
+        with memoryview(local.buf) as mv:
+            return os.preadv(fd, [mv[:read[1]]], read[0])
+
+    try:
+        with ThreadPoolExecutor(lanes) as ex:
+            list(ex.map(one, [(0, min(biggest, ALIGN))] * lanes))  # the lanes' buffers, before the clock
+            t0 = time.perf_counter()
+            total = sum(sum(ex.map(one, reads)) for reads in steps)  # the lanes meet at each step's end
+            dt = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return DiskProbe(total / MIB / dt, biggest, lanes, sum(len(r) for r in steps), dt, direct, False, top_k)
+
+
 def probe(model: str | os.PathLike, *, lanes: int = 4, total_mib: float = 256.0, seed: int = 0,
-          fresh: bool = False) -> DiskProbe:
+          fresh: bool = False, top_k: int | None = None) -> DiskProbe:
     """Reads about ``total_mib`` MiB of distinct random expert projections of ``model`` as the stream
-    tier does (module doc) and returns the bandwidth. Raises :class:`ValueError` for ``lanes`` outside
-    1 .. 64 or ``total_mib`` <= 0, or a file without expert tensors."""
-    if not 1 <= lanes <= 64 or not total_mib > 0:
-        raise ValueError(f"lanes={lanes}, total_mib={total_mib}; accepted: lanes 1 .. 64, total_mib > 0")
+    tier does (module doc) and returns the bandwidth; with ``top_k``, in decode's layer steps of
+    ``top_k`` experts each instead (module doc; ``fresh`` does not apply). Raises :class:`ValueError`
+    for ``lanes`` outside 1 .. 64, ``total_mib`` <= 0, ``top_k`` < 1, ``fresh`` with ``top_k``, or a
+    file without expert tensors."""
+    if not 1 <= lanes <= 64 or not total_mib > 0 or (top_k is not None and (top_k < 1 or fresh)):
+        raise ValueError(f"lanes={lanes}, total_mib={total_mib}, top_k={top_k}, fresh={fresh}; accepted: lanes "
+                         "1 .. 64, total_mib > 0, top_k None or >= 1 and not with fresh")
+    if top_k is not None:
+        return _probe_steps(model, lanes, total_mib, seed, top_k)
     windows, size = expert_windows(model)
     rng = np.random.default_rng(seed)
     n = min(len(windows), max(lanes, int(total_mib * MIB / size)))

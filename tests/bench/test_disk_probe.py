@@ -1,6 +1,7 @@
 """pybmoe.bench.disk.probe: O_DIRECT reads of the model's own expert projections, into reused or fresh pages."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pybmoe.bench import disk
@@ -20,3 +21,29 @@ def test_the_probe_reads_distinct_expert_windows_of_the_file(model_q8, fresh):
 def test_bad_arguments_are_refused(model_q8, kw):
     with pytest.raises(ValueError, match="accepted"):
         disk.probe(model_q8, **kw)
+
+
+def test_a_steps_reads_merge_consecutive_experts_as_the_tier_does():
+    # two expert tensors of 8 experts, 5000 bytes each (not page multiples: the windows are aligned out)
+    tensors = [(8192, 5000, 8), (8192 + 40000, 5000, 8)]
+    got = disk.step_reads(tensors, np.array([1, 2, 3, 6]))
+    want = []
+    for off, per, _ in tensors:
+        for a, b in ((1, 4), (6, 7)):  # the runs 1..3 and 6
+            w0 = (off + a * per) // 4096 * 4096
+            w1 = -(-(off + b * per) // 4096) * 4096
+            want.append((w0, w1 - w0))
+    assert got == want
+
+
+def test_the_steps_probe_reads_top_k_experts_of_one_layer_per_step(model_q8):
+    layers = disk.expert_layers(model_q8)
+    assert layers and all(len({n for _, _, n in ts}) == 1 for ts in layers.values())
+    p = disk.probe(model_q8, lanes=2, total_mib=2.0, top_k=3)
+    assert p.top_k == 3 and p.lanes == 2 and p.mib_s > 0 and p.seconds > 0 and not p.fresh
+    n_proj = len(next(iter(layers.values())))
+    assert p.reads >= n_proj  # at least one step: one read per projection or more
+    with pytest.raises(ValueError, match="accepted"):
+        disk.probe(model_q8, top_k=0)
+    with pytest.raises(ValueError, match="accepted"):
+        disk.probe(model_q8, top_k=2, fresh=True)
