@@ -1,0 +1,24 @@
+"""C 5x granite, tg32, cold, rotating rounds: the defaults against a fixed budget equal to theirs (219 MiB after
+the contexts, mmap dense weights as auto picks) and the best fixed point's 279 MiB (mmap): is the defaults'
+slower read per MiB the budget, or auto itself?"""
+import sys
+from pathlib import Path
+import pandas as pd
+from pybmoe.bench import stream
+from pybmoe.engine import memlimit
+out = Path("/work/bench/c5g"); rows = []
+model = Path("/work/models/C-L16-E256-K8-q4_k.gguf"); limit = int(model.stat().st_size / 2**20 / 5)
+pts = [stream.StreamPoint("defaults", "auto"), stream.StreamPoint("stream", "219", "mmap"), stream.StreamPoint("stream", "279", "mmap")]
+with memlimit.MemoryLimit(limit) as lim:
+    for rep in range(int(sys.argv[1])):
+        k = rep % len(pts)
+        for pt in pts[k:] + pts[:k]:
+            r = stream.run_point(model, pt, "tg", limit=lim, cold=True, log_path=out / "logs" / f"{pt.name.replace(':', '-')}-{rep}.log",
+                                 n_prompt=1, n_gen=32, threads=2, ubatch=512, io_threads=None, floor_mib=None,
+                                 route_replay=Path("/work/traces/granite-C.csv"))
+            rows.append(dict(point=pt.name, repeat=rep, ts=r["avg_ts"], hit_pct=r.get("stream_hit_pct"), io_wait_s=r.get("stream_io_wait_s"),
+                             read_mib_per_token=r.get("stream_read_mib_per_token"), peak_mib=r.get("peak_mib")))
+            print(pt.name, rep, round(r["avg_ts"], 2), file=sys.stderr, flush=True)
+            pd.DataFrame(rows).to_csv(out / "c5g-runs.csv", index=False)
+d = pd.DataFrame(rows); d["ms_per_mib"] = d.io_wait_s * 1000 / (d.read_mib_per_token * 33)
+print(d.groupby("point").agg(ts=("ts", "median"), hit=("hit_pct", "median"), ms_per_mib=("ms_per_mib", "median"), peak=("peak_mib", "median")).round(3).to_string())
