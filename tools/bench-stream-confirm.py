@@ -69,6 +69,7 @@ def main() -> int:
     traces: dict[str, tr.Trace] = {}
     for s in settings.itertuples():
         model = Path(models[s.model])
+        shape = sizing.model_shape(model) if a.predict else None
         budget, _, dense = s.best_fixed.removeprefix("stream:").partition("+")
         against = {"tg": stream.StreamPoint("stream", budget, dense or "auto"), "pp": stream.StreamPoint("mmap")}
         with memlimit.MemoryLimit(int(s.limit_mib)) as lim:
@@ -76,7 +77,7 @@ def main() -> int:
                 pts = [stream.StreamPoint("defaults", "auto"), against[mode]]
                 for rep in range(a.repeats):
                     probe = disk.probe(model).mib_s if a.predict and mode == "tg" else None
-                    probe_steps = (disk.probe(model, top_k=sizing.model_shape(model).top_k).mib_s
+                    probe_steps = (disk.probe(model, top_k=shape.top_k).mib_s
                                    if a.predict and mode == "tg" else None)
                     for pt in (pts if rep % 2 == 0 else pts[::-1]):
                         log = a.out / "confirm-logs" / f"{s.model}-{s.factor:g}x-{s.routing}-{mode}-{pt.name.replace(':', '-')}-{rep}.log"
@@ -98,7 +99,7 @@ def main() -> int:
                                 traces[key] = tr.read_trace(a.traces / f"{key}.csv")
                             trace = traces[key]
                             for col, bw in (("predicted_ts", probe), ("predicted_steps_ts", probe_steps)):
-                                p = sizing.predict_stream(sizing.model_shape(model), trace, float(budget), disk_mib_s=bw,
+                                p = sizing.predict_stream(shape, trace, float(budget), disk_mib_s=bw,
                                                           resident_tok_s=resident[s.model], tokens=a.n_gen + 1, skip=1)
                                 rows[-1][col] = p.tok_s
                         print(f"{s.model} {s.factor:g}x {s.routing} {mode} {pt.name} {rep}: {r['avg_ts']:.2f} tok/s",

@@ -61,41 +61,51 @@ class DiskProbe:
     top_k: int | None = None  # decode's layer steps of top_k experts (read_bytes: the largest read), or random
 
 
-def expert_windows(model: str | os.PathLike) -> tuple[list[tuple[int, int]], int]:
-    """Every expert projection of the file as (aligned offset, aligned length), and the length of the
-    largest one's window (bytes). Raises :class:`ValueError` for a file without expert tensors."""
+def _expert_tensors(model: str | os.PathLike) -> list[tuple[int, int, int, int]]:
+    """Every expert tensor of the file as (layer, data offset, bytes per expert, experts), in file order.
+    Raises :class:`ValueError` for a file without expert tensors."""
     import gguf
-    r = gguf.GGUFReader(str(model))
-    out, size = [], 0
-    for t in r.tensors:
+    out = []
+    for t in gguf.GGUFReader(str(model)).tensors:
         if not t.name.endswith("_exps.weight") or len(t.shape) != 3:
             continue
         n_expert = int(t.shape[-1])
-        per = int(t.n_bytes) // n_expert
-        for e in range(n_expert):
-            off = int(t.data_offset) + e * per
-            w0 = off & ~(ALIGN - 1)
-            w1 = (off + per + ALIGN - 1) & ~(ALIGN - 1)
-            out.append((w0, w1 - w0))
-            size = max(size, w1 - w0)
+        out.append((int(t.name.split(".")[1]), int(t.data_offset), int(t.n_bytes) // n_expert, n_expert))
     if not out:
         raise ValueError(f"{model} has no expert tensors (blk.N.*_exps.weight); accepted: a MoE GGUF")
-    return out, size
+    return out
+
+
+def _window(begin: int, end: int) -> tuple[int, int]:
+    """The aligned window around bytes [begin, end) as (offset, length), as an O_DIRECT read takes it."""
+    w0 = begin & ~(ALIGN - 1)
+    return w0, ((end + ALIGN - 1) & ~(ALIGN - 1)) - w0
+
+
+def _open(model: str | os.PathLike) -> tuple[int, bool]:
+    """The file opened with O_DIRECT where it can be, else buffered: (fd, direct)."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(str(model), os.O_RDONLY | os.O_DIRECT), True
+        except OSError:
+            pass
+    return os.open(str(model), os.O_RDONLY), False
+
+
+def expert_windows(model: str | os.PathLike) -> tuple[list[tuple[int, int]], int]:
+    """Every expert projection of the file as (aligned offset, aligned length), and the length of the
+    largest one's window (bytes). Raises :class:`ValueError` for a file without expert tensors."""
+    out = [_window(off + e * per, off + (e + 1) * per)
+           for _, off, per, n_expert in _expert_tensors(model) for e in range(n_expert)]
+    return out, max(n for _, n in out)
 
 
 def expert_layers(model: str | os.PathLike) -> dict[int, list[tuple[int, int, int]]]:
     """Each MoE layer's expert tensors as (data offset, bytes per expert, experts), in file order, by
     layer index. Raises :class:`ValueError` for a file without expert tensors."""
-    import gguf
-    r = gguf.GGUFReader(str(model))
     out: dict[int, list[tuple[int, int, int]]] = {}
-    for t in r.tensors:
-        if not t.name.endswith("_exps.weight") or len(t.shape) != 3:
-            continue
-        n_expert = int(t.shape[-1])
-        out.setdefault(int(t.name.split(".")[1]), []).append((int(t.data_offset), int(t.n_bytes) // n_expert, n_expert))
-    if not out:
-        raise ValueError(f"{model} has no expert tensors (blk.N.*_exps.weight); accepted: a MoE GGUF")
+    for il, off, per, n_expert in _expert_tensors(model):
+        out.setdefault(il, []).append((off, per, n_expert))
     return {il: sorted(ts) for il, ts in sorted(out.items())}
 
 
@@ -109,9 +119,7 @@ def step_reads(tensors: list[tuple[int, int, int]], experts: np.ndarray) -> list
             j = i + 1
             while j < len(experts) and experts[j] == experts[j - 1] + 1:
                 j += 1
-            a, b = off + int(experts[i]) * per, off + (int(experts[j - 1]) + 1) * per
-            w0 = a & ~(ALIGN - 1)
-            out.append((w0, ((b + ALIGN - 1) & ~(ALIGN - 1)) - w0))
+            out.append(_window(off + int(experts[i]) * per, off + (int(experts[j - 1]) + 1) * per))
             i = j
     return out
 
@@ -127,12 +135,7 @@ def _probe_steps(model, lanes: int, total_mib: float, seed: int, top_k: int) -> 
         steps.append(reads)
         n_bytes += sum(n for _, n in reads)
         biggest = max(biggest, *(n for _, n in reads))
-    direct = hasattr(os, "O_DIRECT")
-    try:
-        fd = os.open(str(model), os.O_RDONLY | (os.O_DIRECT if direct else 0))
-    except OSError:
-        direct = False
-        fd = os.open(str(model), os.O_RDONLY)
+    fd, direct = _open(model)
     local = threading.local()
 
     def one(read: tuple[int, int]) -> int:
@@ -169,12 +172,7 @@ def probe(model: str | os.PathLike, *, lanes: int = 4, total_mib: float = 256.0,
     rng = np.random.default_rng(seed)
     n = min(len(windows), max(lanes, int(total_mib * MIB / size)))
     picks = [windows[i] for i in rng.choice(len(windows), size=n, replace=False)]
-    direct = hasattr(os, "O_DIRECT")
-    try:
-        fd = os.open(str(model), os.O_RDONLY | (os.O_DIRECT if direct else 0))
-    except OSError:
-        direct = False
-        fd = os.open(str(model), os.O_RDONLY)
+    fd, direct = _open(model)
 
     def lane(part: list[tuple[int, int]]) -> int:
         if fresh:  # each read into newly mapped anonymous pages: an admitted expert's place without frames
