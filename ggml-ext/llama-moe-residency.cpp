@@ -279,6 +279,20 @@ void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vec
     // does not fit in the capacity
     const bool scan = scan_guard && wants_half() && n_distinct_now * n_layer > capacity;
     n_scan_steps += scan;
+    // the lend: a step that wants half of its layer or more holds capacity entries, the others capacity + lend
+    const int64_t cap = wants_half() ? capacity : capacity + lend;
+    while (n_resident > cap) {
+        int32_t v = tail;
+        while (v >= 0 && need[v] == gen) {
+            v = prev[v];
+        }
+        LLAMA_MOE_RES_ASSERT(v >= 0 && "the step needs more entries than the capacity holds");
+        unlink(v);
+        resident[v] = 0;
+        n_resident--;
+        evictions++;
+        evicted.push_back(v);
+    }
     hit.resize(n);
     for (int64_t i = 0; i < n; ++i) {
         const int32_t e = base + ids[i];
@@ -293,7 +307,7 @@ void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vec
         }
         misses++;
         hit[i] = 0;
-        if (n_resident >= capacity) {
+        if (n_resident >= cap) {
             int32_t v = tail;
             while (v >= 0 && need[v] == gen) {
                 v = prev[v];
@@ -322,7 +336,7 @@ void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vec
 void llama_moe_lru::resize(int64_t capacity_, std::vector<int32_t> & evicted) {
     LLAMA_MOE_RES_ASSERT(capacity_ >= 0);
     capacity = capacity_;
-    while (n_resident > capacity) {
+    while (n_resident > capacity + lend) {
         const int32_t v = tail;
         unlink(v);
         resident[v] = 0;

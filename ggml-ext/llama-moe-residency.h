@@ -152,10 +152,19 @@ private:
 // first, and the residents it hits (those of earlier passes, and decode's) stay: a pass reads what
 // the budget cannot hold, not the whole pass. Other steps (decode, whose next token reuses its experts,
 // small ubatches, any step whose pass fits) are plain LRU.
+//
+// The lend (see `lend`): the capacity of a step is capacity + lend, unless it wants half of its layer or
+// more; such a step first evicts the least recently used entries it does not need until capacity remain,
+// then admits as above within capacity.
 struct llama_moe_lru {
     int32_t  n_layer    = 0;
     int32_t  n_expert   = 0;
-    int64_t  capacity   = 0; // entries
+    int64_t  capacity   = 0; // entries: the budget
+    // entries the stream tier's prefetch window lends to the steps that want less than half of their layer
+    // (decode): such a step may hold capacity + lend entries; a step that wants half or more first evicts
+    // down to capacity, so that the window's memory is free for the prefetch it triggers. "lend" in
+    // pybmoe.routing.sim replays the same rule
+    int64_t  lend       = 0;
     int64_t  n_resident = 0;
     uint64_t hits       = 0;
     uint64_t misses     = 0;
@@ -189,7 +198,7 @@ struct llama_moe_lru {
     void step(int32_t layer, const int32_t * ids, int64_t n, std::vector<int8_t> & hit,
               std::vector<int32_t> & admitted, std::vector<int32_t> & evicted);
 
-    // a new capacity; a shrink evicts from the least recent end at once
+    // a new capacity; a shrink evicts from the least recent end at once, down to capacity + lend
     void resize(int64_t capacity, std::vector<int32_t> & evicted);
 
 private:

@@ -382,6 +382,10 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     st.n_ubatch     = n_ubatch;
     st.lru.init((int32_t) st.layers.size(), n_expert, budget / (int64_t) entry);
     st.lru.scan_guard = policy == "global-lru-scan";
+    // the prefetch window's entries hold decode's experts while no step wants half of its layer: a step that
+    // does evicts down to the budget first, and its prefetch then reads into the window (docs/stream-tier.md,
+    // "Prefetch")
+    st.lru.lend = prefetch;
 #if !defined(_WIN32)
     rusage ru = {};
     getrusage(RUSAGE_SELF, &ru);
@@ -389,9 +393,11 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
 #endif
 
     LLAMA_LOG("%s: moe-stream: %zu of %d MoE layers stream their experts from %s%s: budget %.1f MiB (%lld experts of "
-            "%.3f MiB), policy %s, %d read lanes, %s; streamed experts keep the GGUF layout (no CPU repack)\n", __func__,
+            "%.3f MiB%s), policy %s, %d read lanes, %s; streamed experts keep the GGUF layout (no CPU repack)\n", __func__,
             st.layers.size(), n_moe, mc->sources.paths[0].c_str(), mc->sources.paths.size() > 1 ? " and its splits" : "",
-            budget / mib, (long long) st.lru.capacity, entry / mib, policy.c_str(), st.reader.n_lanes,
+            budget / mib, (long long) st.lru.capacity, entry / mib,
+            prefetch > 0 ? format("; decode also holds the prefetch window's %lld", (long long) prefetch).c_str() : "",
+            policy.c_str(), st.reader.n_lanes,
             st.reader.direct ? "O_DIRECT" : "buffered");
     // the preamble: one line, key=value (pybmoe.engine parses it)
     LLAMA_LOG("moe-stream-preamble: layers=%zu n_expert=%d top_k=%d budget_mb=%.2f cache_cycle_mb=%.2f layer_demand_mb=%.2f "

@@ -133,13 +133,15 @@ struct llama_moe_stream {
 
     std::string error; // the first read error (the op aborts with it)
 
-    // Prefetch (timing, not policy): after a step that wanted at least half of its layer's experts (a
-    // prefill), the lanes read the next streamed layer's non-resident experts into their own places in
-    // the reservation while this layer computes, at most prefetch_entries of them. The next step admits
-    // exactly what the LRU admits, as without prefetch; an admitted expert whose bytes arrived is not
-    // read again, and a prefetched one the step did not admit has its pages given back. So the hits,
-    // the misses and the output are those of a run without it; only io wait and memory differ (the
-    // prefetched bytes, at most prefetch_entries entries, are counted by auto). 0 turns it off.
+    // Prefetch (its reads are timing, not policy): after a step that wanted at least half of its layer's
+    // experts (a prefill), the lanes read the next streamed layer's non-resident experts into their own
+    // places in the reservation while this layer computes, at most prefetch_entries of them. The next step
+    // admits exactly what the LRU admits; an admitted expert whose bytes arrived is not read again, and a
+    // prefetched one the step did not admit has its pages given back. The window's memory (prefetch_entries
+    // entries, counted by auto and by the fit WARN) is lent to decode: lru.lend = prefetch_entries, so a
+    // step that wants less than half of its layer holds up to budget + window entries, and one that wants
+    // half or more first evicts down to the budget (llama_moe_lru). The simulator replays the same rule
+    // (lend_entries); the output is that of every other run. 0 turns both off.
     int64_t              prefetch_entries = 0;
     int32_t              prefetch_li      = -1; // the layer whose reads are in flight, -1: none
     std::vector<uint8_t> prefetched;            // [n_expert] of prefetch_li

@@ -185,10 +185,10 @@ int32_t llama_model_moe_trace_open(llama_model * model, const char * path, int32
         header += format(" admit=%d", mc->vram.res.admit_window); // the admission window, steps (pybmoe.routing.sim)
     }
     if (mc->stream.on()) {
-        // the stream tier's budget and policy, in the simulator's terms (budget_entries of global-lru-scan or
-        // global-lru)
-        header += format(" stream_budget_mb=%.4f stream_entries=%lld stream_entry_mb=%.6f stream_policy=%s",
-                mc->stream.budget_bytes / 1024.0 / 1024.0, (long long) mc->stream.lru.capacity,
+        // the stream tier's budget and policy, in the simulator's terms (budget_entries and lend_entries of
+        // global-lru-scan or global-lru)
+        header += format(" stream_budget_mb=%.4f stream_entries=%lld stream_lend=%lld stream_entry_mb=%.6f stream_policy=%s",
+                mc->stream.budget_bytes / 1024.0 / 1024.0, (long long) mc->stream.lru.capacity, (long long) mc->stream.lru.lend,
                 mc->stream.entry_bytes / 1024.0 / 1024.0, mc->stream.lru.scan_guard ? "global-lru-scan" : "global-lru");
         mc->trace.ram_hit = true;
     }

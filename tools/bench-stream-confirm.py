@@ -90,6 +90,7 @@ def main() -> int:
                                          hit_pct=r.get("stream_hit_pct"), io_wait_s=r.get("stream_io_wait_s"),
                                          read_mib_per_token=r.get("stream_read_mib_per_token"),
                                          budget_mb=r.get("stream_budget_after_contexts_mb") or r.get("stream_budget_mb"),
+                                         window_experts=r.get("stream_prefetch_experts"),
                                          peak_mib=r.get("peak_mib"), probe_mib_s=probe,
                                          probe_steps_mib_s=probe_steps))
                         if probe is not None:
@@ -100,7 +101,8 @@ def main() -> int:
                             trace = traces[key]
                             for col, bw in (("predicted_ts", probe), ("predicted_steps_ts", probe_steps)):
                                 p = sizing.predict_stream(shape, trace, float(budget), disk_mib_s=bw,
-                                                          resident_tok_s=resident[s.model], tokens=a.n_gen + 1, skip=1)
+                                                          resident_tok_s=resident[s.model], tokens=a.n_gen + 1, skip=1,
+                                                          window_experts=rows[-1]["window_experts"])
                                 rows[-1][col] = p.tok_s
                         print(f"{s.model} {s.factor:g}x {s.routing} {mode} {pt.name} {rep}: {r['avg_ts']:.2f} tok/s",
                               file=sys.stderr, flush=True)

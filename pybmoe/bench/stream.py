@@ -48,6 +48,7 @@ when ``llama-bench`` fails (the command and its log's tail).
 from __future__ import annotations
 
 import io
+import math
 import os
 import resource
 import subprocess
@@ -229,8 +230,11 @@ def predict(runs: pd.DataFrame, summary: pd.DataFrame, model: Path, trace_path: 
     for i, r in s.iterrows():
         if r["mode"] != "tg" or not (str(r.point).startswith("stream:") or r.point == "defaults"):
             continue
-        budget = runs[(runs.point == r.point)].stream_budget_mb.median()
-        p = sizing.predict_stream(shape, t, float(budget), disk_mib_s=disk, resident_tok_s=float(res.avg_ts.median()))
+        pt = runs[(runs.point == r.point)]
+        budget = pt.stream_budget_mb.median()
+        window = pt.stream_prefetch_experts.median() if "stream_prefetch_experts" in pt else math.nan
+        p = sizing.predict_stream(shape, t, float(budget), disk_mib_s=disk, resident_tok_s=float(res.avg_ts.median()),
+                                  window_experts=None if math.isnan(window) else int(window))
         s.loc[i, "predicted_ts"] = p.tok_s
         s.loc[i, "disk_mib_s"] = disk
     return s

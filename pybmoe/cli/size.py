@@ -89,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ValueError as e:
                 print(f"pybmoe size: error: {e}", file=sys.stderr)
                 return 2
-            print(f"  --moe-stream-cache-mb {mb:g}: {p.budget_entries} experts, {100 * p.hit_rate:.1f}% hit, "
+            print(f"  --moe-stream-cache-mb {mb:g}: {p.budget_entries} experts (+{p.window_experts} of the prefetch "
+                  f"window in decode), {100 * p.hit_rate:.1f}% hit, "
                   f"{p.miss_mib_per_token:.1f} MiB read/token, predicted {p.tok_s:.2f} tok/s decode")
     return 0
 

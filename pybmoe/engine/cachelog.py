@@ -168,7 +168,8 @@ def parse_stream_preamble(log: str) -> dict | None:
     Keys: layers, n_expert, top_k, io_threads (counts), direct_io (1 O_DIRECT, 0 buffered),
     budget_mb, cache_cycle_mb (every streamed layer's top-k experts), layer_demand_mb (one layer's
     top-k experts), min_mb (the most one layer step needs at the ubatch), entry_mb (one expert of
-    one layer), all MiB.
+    one layer), all MiB; prefetch_experts (the prefetch window, which decode holds beside the
+    budget: experts).
     """
     m = _STREAM_PREAMBLE.search(log)
     if not m:
@@ -188,7 +189,7 @@ def stream_record(log: str, metrics: str | None = None) -> dict:
     sums = parse_stream_summaries(log)
     last = sums[-1] if sums else None
     rec = {f"stream_{k}": pre.get(k) for k in ("layers", "budget_mb", "cache_cycle_mb", "layer_demand_mb", "min_mb",
-                                                "entry_mb", "direct_io", "io_threads")}
+                                                "entry_mb", "direct_io", "io_threads", "prefetch_experts")}
     for f in ("hit_pct", "resident_mib", "misses", "read_mib", "read_mib_per_token", "io_wait_s", "major_faults"):
         rec[f"stream_{f}"] = getattr(last, f) if last else None
     rec["stream_below_cycle"] = bool(_STREAM_CLIFF.search(log))

@@ -28,9 +28,10 @@ enum { SIM_GLOBAL_LRU = 0, SIM_FIFO = 1, SIM_LFU = 2, SIM_BELADY = 3, SIM_GLOBAL
 enum { SIM_OK = 0, SIM_ENOMEM = -1, SIM_EINVAL = -2 };
 
 int32_t pybmoe_simcore_version(void) {
-    return 4; // 2: global-lru takes a step's lookups in router rank order (recency per lookup)
+    return 5; // 2: global-lru takes a step's lookups in router rank order (recency per lookup)
               // 3: layer-lru's admission rule (pybmoe_sim_layer_lru_admit) and wasted uploads
               // 4: global-lru-scan, and pybmoe_sim_global's n_layer
+              // 5: pybmoe_sim_global's lend (the stream tier's prefetch window, lent to decode)
 }
 
 // ---------------------------------------------------------------- indexed min-heap of ids
@@ -399,11 +400,13 @@ static inline void dl_prepend(int32_t * prv, int32_t * nxt, int32_t s, int32_t x
     dl_insert_after(prv, nxt, s, x);
 }
 
-// is_lru: recency order (global-lru); scan_layers > 0: with the scan guard over that many layers of
-// n_entries / scan_layers experts each
-static int32_t sim_list(int is_lru, int64_t scan_layers, int64_t n_units, const int64_t * unit_start,
-                        const uint8_t * unit_flags, const int32_t * entry, int32_t n_entries, int64_t capacity,
-                        int8_t * out, int64_t * counters) {
+// is_lru: recency order (global-lru); scan: with the scan guard; n_layer: the layers of n_entries / n_layer
+// experts each the entries span (the guard's and the lend's "half of its layer"); lend: entries a unit that
+// wants less than half of its layer may hold beyond capacity (the engine's prefetch window, lent to decode);
+// a unit that wants half or more first evicts from the minimum end, skipping its own entries, down to capacity
+static int32_t sim_list(int is_lru, int scan_guard, int64_t n_layer, int64_t lend, int64_t n_units,
+                        const int64_t * unit_start, const uint8_t * unit_flags, const int32_t * entry,
+                        int32_t n_entries, int64_t capacity, int8_t * out, int64_t * counters) {
     gstate g;
     int rc = gstate_init(&g, n_entries);
     int32_t * prv = malloc(sizeof(int32_t) * ((size_t) n_entries + 1));
@@ -427,16 +430,34 @@ static int32_t sim_list(int is_lru, int64_t scan_layers, int64_t n_units, const 
         const int64_t tag = u + 1;
         const int64_t n_distinct = unit_answer(&g, b, end, entry, tag, out);
         const int dup = n_distinct < end - b;
-        const int scan = scan_layers > 0 && 2 * n_distinct >= n_entries / scan_layers &&
-                         n_distinct * scan_layers > capacity;
-        // pass 2: admit the missed entries in order of first appearance
+        const int half = n_layer > 0 && 2 * n_distinct >= n_entries / n_layer;
+        const int scan = scan_guard && half && n_distinct * n_layer > capacity;
+        // the lend: a unit that wants half of its layer or more holds capacity entries, the others capacity + lend
+        const int64_t cap = half ? capacity : (capacity + lend < n_entries ? capacity + lend : n_entries);
         int32_t cur = -1, n_adm = 0;
-        for (int64_t i = b; i < end && capacity > 0; ++i) {
+        if (n_res > cap) {
+            cur = nxt[S];
+            while (n_res > cap) {
+                while (cur != S && g.mark[cur] == tag) { // needed by this unit: never evicted
+                    cur = nxt[cur];
+                }
+                if (cur == S) {
+                    break;
+                }
+                const int32_t v = cur;
+                cur = nxt[v];
+                dl_unlink(prv, nxt, v);
+                g.resident[v] = 0;
+                n_res--;
+            }
+        }
+        // pass 2: admit the missed entries in order of first appearance
+        for (int64_t i = b; i < end && cap > 0; ++i) {
             const int32_t e = entry[i];
             if (out[i] != 0 || g.first_ev[e] != i) {
                 continue;
             }
-            if (n_res == capacity) {
+            if (n_res >= cap) {
                 if (cur < 0) {
                     cur = nxt[S];
                 }
@@ -884,12 +905,15 @@ done:
     return rc;
 }
 
-// n_layer: the layers the entries span (global-lru-scan's guard; the others ignore it)
+// n_layer: the layers the entries span (global-lru-scan's guard and the lend; the others ignore it);
+// lend: the engine's prefetch window, entries lent to the units that want less than half of their layer
+// (global-lru and global-lru-scan only; 0 for the others)
 int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
-                          const int32_t * entry, int32_t n_entries, int64_t capacity, int32_t n_layer, int8_t * out,
-                          int64_t * counters) {
+                          const int32_t * entry, int32_t n_entries, int64_t capacity, int32_t n_layer, int64_t lend,
+                          int8_t * out, int64_t * counters) {
+    const int is_list_lru = policy == SIM_GLOBAL_LRU || policy == SIM_GLOBAL_LRU_SCAN;
     if (policy < SIM_GLOBAL_LRU || policy > SIM_GLOBAL_LRU_SCAN || n_units < 0 || n_entries <= 0 || capacity < 0 ||
-        (policy == SIM_GLOBAL_LRU_SCAN && n_layer < 1)) {
+        lend < 0 || (lend > 0 && !is_list_lru) || ((policy == SIM_GLOBAL_LRU_SCAN || lend > 0) && n_layer < 1)) {
         return SIM_EINVAL;
     }
     if (capacity > n_entries) {
@@ -898,10 +922,12 @@ int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_
     const int64_t * st = unit_start;
     const uint8_t * fl = unit_flags;
     switch (policy) {
-        case SIM_GLOBAL_LRU: return sim_list(1, 0, n_units, st, fl, entry, n_entries, capacity, out, counters);
+        case SIM_GLOBAL_LRU:
+            return sim_list(1, 0, lend > 0 ? n_layer : 0, lend, n_units, st, fl, entry, n_entries, capacity, out, counters);
         case SIM_GLOBAL_LRU_SCAN:
-                             return sim_list(1, n_layer, n_units, st, fl, entry, n_entries, capacity, out, counters);
-        case SIM_FIFO:       return sim_list(0, 0, n_units, st, fl, entry, n_entries, capacity, out, counters);
+            return sim_list(1, 1, n_layer, lend, n_units, st, fl, entry, n_entries, capacity, out, counters);
+        case SIM_FIFO:
+            return sim_list(0, 0, 0, 0, n_units, st, fl, entry, n_entries, capacity, out, counters);
         case SIM_LFU:        return sim_lfu(n_units, st, fl, entry, n_entries, capacity, out, counters);
         default:             return sim_belady(n_units, st, fl, entry, n_entries, capacity, out, counters);
     }

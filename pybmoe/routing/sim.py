@@ -32,7 +32,10 @@ Policies (:data:`POLICIES`; the rules are spelled out in ``docs/traces.md``):
     times the trace's layers exceed ``budget_entries`` (a scan, such as a prefill's: a pass of such
     steps would flush the cache) admits its misses at the least recent end, each below the last,
     and its repeated lookups do not move them; its hits of entries resident before it become the
-    most recent as in ``global-lru``.
+    most recent as in ``global-lru``. The tier's prefetch window is lent to decode
+    (``lend_entries``, :func:`simulate`): a step that wants less than half of its layer holds up to
+    ``budget_entries`` plus the window; one that wants half or more first evicts down to
+    ``budget_entries``.
 ``static``
     The ``budget_entries`` most looked-up entries of each workload (in the replayed phase,
     learned in sample: an upper bound for static pinning) are pinned from the start; nothing else
@@ -133,7 +136,7 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
     try:
         lib = ctypes.CDLL(str(p))
         lib.pybmoe_simcore_version.restype = ctypes.c_int32
-        if lib.pybmoe_simcore_version() != 4:
+        if lib.pybmoe_simcore_version() != 5:
             return False
     except (OSError, AttributeError):
         return False
@@ -148,7 +151,7 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
                                                ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, i8p, i64p]
     lib.pybmoe_sim_layer_lru_admit.restype = ctypes.c_int32
     lib.pybmoe_sim_global.argtypes = [ctypes.c_int32, ctypes.c_int64, i64p, u8p, i32p, ctypes.c_int32,
-                                      ctypes.c_int64, ctypes.c_int32, i8p, i64p]
+                                      ctypes.c_int64, ctypes.c_int32, ctypes.c_int64, i8p, i64p]
     lib.pybmoe_sim_global.restype = ctypes.c_int32
     _core = lib
     return True
@@ -267,9 +270,12 @@ def _next_use(start: list[int], flags: list[int], ids: list[int]) -> list[int]:
 
 
 def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndarray, n_entries: int,
-               capacity: int, out: np.ndarray, counters: np.ndarray, n_layer: int = 1) -> None:
+               capacity: int, out: np.ndarray, counters: np.ndarray, n_layer: int = 1, lend: int = 0) -> None:
     """global-lru(-scan) / fifo / lfu / belady with a lazy heap (see pybmoe_sim_global for the rules;
-    ``n_layer``: the layers the entries span, global-lru-scan's guard)."""
+    ``n_layer``: the layers the entries span, global-lru-scan's guard and the lend's; ``lend``: entries
+    a unit that wants less than half of its layer may hold beyond ``capacity``, global-lru(-scan) only)."""
+    if lend and policy not in ("global-lru", "global-lru-scan"):
+        raise PolicyError(f"lend {lend} is modelled for global-lru and global-lru-scan only, not {policy!r}")
     scan_guard = policy == "global-lru-scan"
     if scan_guard:
         policy = "global-lru"
@@ -302,7 +308,23 @@ def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndar
             need.setdefault(ids[i], i)
         # the scan guard: a unit that wants half of its layer or more, and a pass of such units would
         # flush the cache; its admissions enter at the minimum end, each below the last, and stay there
-        scan = scan_guard and 2 * len(need) >= n_entries // n_layer and len(need) * n_layer > capacity
+        half = 2 * len(need) >= n_entries // n_layer
+        scan = scan_guard and half and len(need) * n_layer > capacity
+        # the lend: a unit that wants half of its layer or more holds capacity entries (it first evicts the
+        # least recent entries it does not need down to that), the others capacity + lend
+        cap = capacity if half else min(capacity + lend, n_entries)
+        if len(key) > cap:
+            stash = []
+            while heap and len(key) > cap:
+                a, bb, x = heapq.heappop(heap)
+                if key.get(x) != (a, bb):
+                    continue                         # stale
+                if x in need:
+                    stash.append((a, bb, x))         # needed by this unit: never evicted
+                    continue
+                del key[x]
+            for s_ in stash:
+                heapq.heappush(heap, s_)
         for i in range(b, end):
             e = ids[i]
             first = need[e] == i
@@ -316,9 +338,9 @@ def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndar
                 key[e] = new_key(e, u, i)
                 heapq.heappush(heap, (*key[e], e))
         for e, i in need.items():
-            if e in key or capacity == 0:
+            if e in key or cap == 0:
                 continue
-            if len(key) == capacity:
+            if len(key) >= cap:
                 stash, victim = [], None
                 while heap:
                     a, bb, x = heapq.heappop(heap)
@@ -765,9 +787,15 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
              budget_entries: int | None = None, fraction: float | None = None, mib: float | None = None,
              model: str | os.PathLike | None = None, expert_bytes: float | None = None, phase: str = "decode",
              inserts: int | None = None, max_batch: int = 1, admit: str = "always",
-             admit_window: int | None = None, backend: str = "auto",
+             admit_window: int | None = None, backend: str = "auto", lend_entries: int = 0,
              progress: Callable[[int], None] | None = None) -> SimResult:
     """Replay ``policy`` over every workload of ``trace`` at one budget (see the module doc).
+
+    ``lend_entries`` (global-lru and global-lru-scan only, default 0): the stream tier's prefetch
+    window, in entries (the trace header's ``stream_lend``, the preamble's ``prefetch_experts``). A
+    unit that wants less than half of its layer's experts (decode) holds up to the budget plus these
+    entries; a unit that wants half or more (a prefill's) first evicts its least recently used
+    entries it does not need down to the budget, so that the window is free for the prefetch.
 
     ``inserts`` (layer-lru only): uploads per layer per step, 0 = unlimited; default: the trace
     header's, else 0. ``max_batch``: the largest ubatch (tokens) the engine's cache serves (1
@@ -777,11 +805,18 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
     served ubatches; default :data:`DEFAULT_ADMIT_WINDOW`). ``progress`` is called with 1 after
     each workload.
     Raises :class:`PolicyError` for an unknown policy, phase, backend or admission rule (or an
-    admission other than ``always`` for a policy other than layer-lru) and :class:`BudgetError`
-    for a bad budget or an ``admit_window`` below 1 (or given with ``always``).
+    admission other than ``always`` for a policy other than layer-lru, or a ``lend_entries`` for a
+    policy other than global-lru(-scan)) and :class:`BudgetError` for a bad budget, a negative
+    ``lend_entries`` or an ``admit_window`` below 1 (or given with ``always``).
     """
     if policy not in POLICIES:
         raise PolicyError(f"policy {policy!r}; accepted: {', '.join(POLICIES)}")
+    if isinstance(lend_entries, bool) or int(lend_entries) != lend_entries or lend_entries < 0:
+        raise BudgetError(f"lend_entries {lend_entries!r}; accepted: an integer >= 0 (entries)")
+    lend_entries = int(lend_entries)
+    if lend_entries and policy not in ("global-lru", "global-lru-scan"):
+        raise PolicyError(f"lend_entries {lend_entries} is modelled for global-lru and global-lru-scan only, "
+                          f"not {policy!r}; accepted: 0")
     window = admission_window(admit, admit_window)
     if window and policy != "layer-lru":
         raise PolicyError(f"admit {admit!r} is modelled for layer-lru only, not {policy!r}; accepted: always")
@@ -842,8 +877,8 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
             def fn(start, flags, ids, out, counters):
                 if lib is not None:
                     return lib.pybmoe_sim_global(code, len(flags), start, flags, ids, rp.n_entries, entries,
-                                                 rp.n_layer, out, counters)
-                _global_py(policy, start, flags, ids, rp.n_entries, entries, out, counters, rp.n_layer)
+                                                 rp.n_layer, lend_entries, out, counters)
+                _global_py(policy, start, flags, ids, rp.n_entries, entries, out, counters, rp.n_layer, lend_entries)
                 return 0
 
         for w in range(n_w):

@@ -150,6 +150,7 @@ class StreamPrediction:
     miss_mib_per_token: float   # MiB read from the file per decode token
     compute_s_per_token: float
     io_s_per_token: float
+    window_experts: int = 0     # the prefetch window decode holds beside budget_entries (experts)
 
     @property
     def tok_s(self) -> float:
@@ -163,14 +164,25 @@ class StreamPrediction:
 STREAM_STEP_OVERHEAD_MS = 1.0
 
 
+def default_window_experts(shape: ModelShape, n_ubatch: int = 512) -> int:
+    """The stream tier's prefetch window beside a fixed budget, in experts: a quarter of a layer's
+    experts (rounded up) when a step at ``n_ubatch`` tokens can want half of its layer, else 0
+    (``ggml-ext/llama-moe-stream-init.cpp``). Decode holds the budget plus these entries."""
+    demand = min(shape.n_expert, shape.top_k * n_ubatch)
+    return (shape.n_expert + 3) // 4 if 2 * demand >= shape.n_expert else 0
+
+
 def predict_stream(shape: ModelShape, trace: tr.Trace, budget_mib: float, *, disk_mib_s: float,
                    resident_tok_s: float | None = None, ram_mib_s: float | None = None,
                    dense_mib: float = 0.0, step_overhead_ms: float = STREAM_STEP_OVERHEAD_MS,
-                   tokens: int | None = None, skip: int = 0) -> StreamPrediction:
+                   tokens: int | None = None, skip: int = 0, window_experts: int | None = None) -> StreamPrediction:
     """Decode tok/s of the stream tier (``--moe-stream-cache-mb budget_mib``) on this model.
 
     The tier's policy (``global-lru-scan``, :data:`pybmoe.routing.sim.STREAM_POLICY`) is replayed
-    exactly, so the hit rate is the simulator's on the trace's decode lookups at ``budget_entries = floor(budget_mib / expert MiB)``. A token costs the compute
+    exactly, so the hit rate is the simulator's on the trace's decode lookups at ``budget_entries =
+    floor(budget_mib / expert MiB)`` plus the prefetch window the tier lends to decode
+    (``window_experts``, experts; default :func:`default_window_experts`, the window beside a fixed
+    budget; auto's is the preamble's ``prefetch_experts``). A token costs the compute
     of an all-resident token (``1 / resident_tok_s``, measured; or, without it, the bytes a token
     touches, ``n_layer * top_k`` experts plus ``dense_mib``, at ``ram_mib_s``), plus the tier's own
     ``step_overhead_ms`` per layer step (:data:`STREAM_STEP_OVERHEAD_MS`), plus its misses read at
@@ -180,8 +192,8 @@ def predict_stream(shape: ModelShape, trace: tr.Trace, budget_mib: float, *, dis
     ``tokens``: predict a short run, the trace's first ``tokens`` decode tokens of each workload from an
     empty cache (llama-bench's ``-n N`` with its warm-up token is ``tokens=N + 1, skip=1``), of which the
     first ``skip`` are not timed; default the whole trace. Units: MiB, MiB/s, ms, tokens/s.
-    Raises :class:`SizingError` for a bandwidth <= 0, neither compute figure, a negative overhead, or
-    ``tokens`` <= ``skip``.
+    Raises :class:`SizingError` for a bandwidth <= 0, neither compute figure, a negative overhead or
+    window, or ``tokens`` <= ``skip``.
     """
     if disk_mib_s <= 0 or (resident_tok_s is None and (ram_mib_s is None or ram_mib_s <= 0)):
         raise SizingError(f"disk_mib_s={disk_mib_s}, resident_tok_s={resident_tok_s}, ram_mib_s={ram_mib_s}; accepted: "
@@ -195,8 +207,13 @@ def predict_stream(shape: ModelShape, trace: tr.Trace, budget_mib: float, *, dis
             f = t.frame[t.frame["phase"] == "decode"]
             order = f.groupby("workload", sort=False)["token"].rank(method="dense")
             t = tr.from_frame(f[order <= n].reset_index(drop=True), t.meta, t.source)
-        r = sim.simulate(t, sim.STREAM_POLICY, mib=budget_mib, expert_bytes=shape.expert_bytes, phase="decode")
+        r = sim.simulate(t, sim.STREAM_POLICY, mib=budget_mib, expert_bytes=shape.expert_bytes, phase="decode",
+                         lend_entries=window)
         return r, int(r.summary["tokens"].sum()), int(r.summary["misses"].sum())
+
+    window = default_window_experts(shape) if window_experts is None else window_experts
+    if window < 0:
+        raise SizingError(f"window_experts={window_experts}; accepted: >= 0 (experts)")
 
     r, n_tok, misses = run(trace, tokens)
     hit_rate = r.hit_rate
@@ -214,4 +231,4 @@ def predict_stream(shape: ModelShape, trace: tr.Trace, budget_mib: float, *, dis
     else:
         compute = (shape.n_layer * shape.top_k * expert_mib + dense_mib) / ram_mib_s
     compute += shape.n_layer * step_overhead_ms / 1000.0
-    return StreamPrediction(budget_mib, r.budget_entries, hit_rate, miss_mib, compute, miss_mib / disk_mib_s)
+    return StreamPrediction(budget_mib, r.budget_entries, hit_rate, miss_mib, compute, miss_mib / disk_mib_s, window)

@@ -184,28 +184,41 @@ def test_dense_auto_picks_anon_only_for_a_fixed_budget_when_the_gguf_does_not_fi
     assert "dense weights" not in off.log
 
 
-def test_prefetch_changes_no_hit_and_no_logit(tmp_path):
+def test_prefetch_changes_no_logit_and_its_window_is_lent_to_decode(tmp_path):
     """At ubatch 16 (a step can want half the layer) the next layer's experts are read while a prefill
     step computes: by default a window of a quarter of a layer (a fixed budget), with
-    PYBMOE_MOE_STREAM_PREFETCH=1 a whole layer; the hits per layer, the tokens and the logits are those
-    of the same run with it off (PYBMOE_MOE_STREAM_PREFETCH=0)."""
+    PYBMOE_MOE_STREAM_PREFETCH=1 a whole layer. The tokens and the logits are those of the same run with
+    it off (PYBMOE_MOE_STREAM_PREFETCH=0). The window's entries hold decode's experts (a prefill step
+    evicts down to the budget first): every lookup's hit or miss is the simulator's with the window as
+    ``lend_entries`` (the trace header's ``stream_lend``), and decode hits more than with it off."""
+    from pybmoe.routing import sim
+    from pybmoe.routing import trace as tr
     # three layers: the last one computes only the output rows, so the prefetch into layer 1 is the one used
     model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **{**SHAPE, "n_layer": 3}))
     base = {k: v for k, v in os.environ.items() if k != "PYBMOE_MOE_STREAM_PREFETCH"}
     args = ["-ngl", "0", "--no-repack", "-ub", "16", "-b", "256", "--moe-stream-cache-mb", "10"]
     prompt = " ".join(f"word{i}" for i in range(60))  # several ubatches of 16 tokens
-    runs = {}
+    runs, decode_hits = {}, {}
     for name, env, window in (("whole", {"PYBMOE_MOE_STREAM_PREFETCH": "1"}, 16), ("default", {}, 4),
                               ("off", {"PYBMOE_MOE_STREAM_PREFETCH": "0"}, 0)):
-        r = engine.run_logits(model, tmp_path / f"pf-{name}.bin", args, prompt=prompt, n_predict=4, ctx=256,
-                              env={**base, **env})
+        p = tmp_path / f"pf-{name}.csv"
+        r = engine.run_logits(model, tmp_path / f"pf-{name}.bin", args + ["--moe-trace", str(p)], prompt=prompt,
+                              n_predict=24, ctx=256, env={**base, **env})
         assert re.search(rf"prefetch_experts={window}$", r.log, re.M), name
         runs[name] = r
+        t = tr.read_trace(p)
+        assert int(t.meta.extra["stream_lend"]) == window
+        want = sim.simulate(t, t.meta.extra["stream_policy"], mib=10, model=model, phase="all", lend_entries=window)
+        engine_hit = t.frame["ram_hit"].to_numpy()
+        bad = (engine_hit != want.predicted).nonzero()[0]
+        assert bad.size == 0, f"{name}: {bad.size} of {len(engine_hit)} lookups differ, first rows {bad[:5].tolist()}"
+        decode_hits[name] = int(((engine_hit == 1) & (t.frame["phase"] == "decode").to_numpy()).sum())
     for name in ("whole", "default"):
         used = re.search(r"prefetched ([\d.]+) MiB \(([\d.]+) MiB of it used\)", runs[name].log)
         assert used and float(used.group(2)) > 0, runs[name].log[-2000:]
         r, off = runs[name], runs["off"]
-        assert r.stream_layers == off.stream_layers and r.tokens == off.tokens and r.logits == off.logits, name
+        assert r.tokens == off.tokens and r.logits == off.logits, name
+    assert decode_hits["off"] < decode_hits["default"] < decode_hits["whole"], decode_hits
 
 
 LOAD_SCRIPT = r"""

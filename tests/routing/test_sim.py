@@ -253,6 +253,32 @@ def test_a_scans_repeats_hit_and_keep_its_admissions_at_the_least_recent_end(bac
     assert scan == [0, 0, 0, 0, 1, 0, 1, 1, 0, 1]
 
 
+@pytest.mark.parametrize("policy", ["global-lru", "global-lru-scan"])
+def test_the_prefetch_windows_lend_by_hand(backend, policy):
+    """2 entries and a window of 1 lent to decode, 2 layers of 4 experts. Decode (top-1: a quarter of
+    the layer) holds 3 entries: at ubatch 2 both of ubatch 1's and L1E0 are still there, where 2
+    entries hit only L0E1. Ubatch 3 wants half of each layer: it first evicts down to 2 (L1E1, the least
+    recent it does not need), then admits L0E2 over L1E0, so layer 1's lookup of 0 misses; a plain
+    capacity of 3 would have kept L1E0."""
+    t = two_layers([[[0, 0]], [[1, 1]], [[1, 0]], [[1, 0], [2, 3]]])
+    order = np.lexsort((t.frame["rank"], t.frame["token"], t.frame["layer"], t.frame["ubatch"]))
+
+    def run(**kw):
+        return np.asarray(pred(t, policy, backend, **kw))[order].tolist()
+    #                                          u0 L0, L1 | u1 L0, L1 | u2 L0, L1 | u3 L0: 1, 2 | u3 L1: 0, 3
+    assert run(budget_entries=2, lend_entries=1) == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0]
+    assert run(budget_entries=2) == [0, 0, 0, 0, 1, 0, 1, 0, 0, 0]
+    assert run(budget_entries=3) == [0, 0, 0, 0, 1, 1, 1, 0, 1, 0]
+
+
+def test_a_bad_lend_is_refused():
+    t = two_layers([[[0, 0]]])
+    with pytest.raises(sim.BudgetError, match="lend_entries -1; accepted: an integer >= 0"):
+        sim.simulate(t, "global-lru", budget_entries=2, lend_entries=-1)
+    with pytest.raises(sim.PolicyError, match="lend_entries 1 is modelled for global-lru and global-lru-scan only"):
+        sim.simulate(t, "lfu", budget_entries=2, lend_entries=1)
+
+
 def test_instant_admission_within_a_multi_token_step(backend):
     t = mk([[[0, 1], [0, 2]]], n_expert=4)
     assert pred(t, "global-lru", backend, budget_entries=3) == [0, 0, 1, 0]

@@ -58,13 +58,14 @@ def stream(seed: int, *, n_units: int, n_entries: int, max_len: int, p_reset: fl
     return start, flags, ids
 
 
-def run_global(lib, policy, start, flags, ids, n_entries, cap, n_layer=3):
-    # n_layer: global-lru-scan's guard (3: units of more than cap / 3 distinct entries are scans)
+def run_global(lib, policy, start, flags, ids, n_entries, cap, n_layer=3, lend=0):
+    # n_layer: global-lru-scan's guard and the lend's half a layer (3: units of n_entries / 6 distinct entries or
+    # more want half; those of more than cap / 3 are scans); lend: entries lent to the other units
     out_c, cnt_c = np.empty(len(ids), np.int8), np.zeros(2, np.int64)
     assert lib.pybmoe_sim_global(sim._GLOBAL_CODE[policy], len(flags), start, flags, ids, n_entries, cap, n_layer,
-                                 out_c, cnt_c) == 0
+                                 lend, out_c, cnt_c) == 0
     out_p, cnt_p = np.empty(len(ids), np.int8), np.zeros(2, np.int64)
-    sim._global_py(policy, start, flags, ids, n_entries, cap, out_p, cnt_p, n_layer)
+    sim._global_py(policy, start, flags, ids, n_entries, cap, out_p, cnt_p, n_layer, lend)
     return (out_c, cnt_c), (out_p, cnt_p)
 
 
@@ -80,9 +81,12 @@ def test_global_core_matches_the_python_twin(lib, seed, n_entries, n_units, max_
         for policy in GLOBAL:
             # global-lru-scan over 3 layers, and over 40 (layers of a few entries: most units are scans)
             for n_layer in ((3, 40) if policy == "global-lru-scan" else (3,)):
-                (out_c, cnt_c), (out_p, cnt_p) = run_global(lib, policy, start, flags, ids, n_entries, cap, n_layer)
-                assert np.array_equal(out_c, out_p), (policy, cap, n_layer)
-                assert cnt_c[0] == cnt_p[0], (policy, cap, n_layer)
+                # the prefetch window's lend (the two LRUs only): none, one entry, a third of the entries
+                for lend in ((0, 1, n_entries // 3) if policy.startswith("global-lru") else (0,)):
+                    (out_c, cnt_c), (out_p, cnt_p) = run_global(lib, policy, start, flags, ids, n_entries, cap,
+                                                                n_layer, lend)
+                    assert np.array_equal(out_c, out_p), (policy, cap, n_layer, lend)
+                    assert cnt_c[0] == cnt_p[0], (policy, cap, n_layer, lend)
 
 
 def test_global_core_deep_bit_trees(lib):
