@@ -356,6 +356,9 @@ void llama_moe_reader::lane_main(int32_t il) {
             lock.unlock();
             std::string err;
             const bool ok = read_one(*lanes[il], job, err);
+            if (job.after) {
+                job.after(ok, err);
+            }
             lock.lock();
             if (!ok && batch_err.empty()) {
                 batch_err = err;

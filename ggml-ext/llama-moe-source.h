@@ -122,6 +122,9 @@ struct llama_moe_read {
     // run on the lane before the read (the stream tier maps the destination's page frames there, off the
     // compute thread); may be empty
     std::function<void()> before;
+    // run on the lane after the read, with its result (the stream tier marks the range in place there, so
+    // that the layer's compute can use it: llama-moe-inflight.h); may be empty
+    std::function<void(bool ok, const std::string & err)> after;
 };
 
 // Reads ranges of the source files into memory on n_lanes threads at once. With O_DIRECT (the page

@@ -369,6 +369,25 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                     __func__, why.c_str());
         }
     }
+    // reads behind compute (llama-moe-inflight.h): the layer's MUL_MAT_IDs wait for each expert's bytes
+    {
+        const char * ov_env = getenv("PYBMOE_MOE_STREAM_OVERLAP");
+        const bool   ov_off = ov_env && atoi(ov_env) == 0;
+        st.inflight.init((int64_t) n_expert * (int64_t) st.layers.size(), LLAMA_MOE_N_PROJ);
+        for (const auto & l : st.layers) {
+            for (int p = 0; p < l.n_proj; ++p) {
+                st.inflight.register_tensor(l.exps[p], l.li, p, n_expert);
+            }
+        }
+        st.overlap = !ov_off && llama_moe_inflight::install();
+        if (ov_off) {
+            LLAMA_LOG("%s: moe-stream: reads behind compute off (PYBMOE_MOE_STREAM_OVERLAP=0): each layer step reads its "
+                    "misses before the layer computes\n", __func__);
+        } else if (!st.overlap) {
+            LLAMA_LOG_WARN("%s: moe-stream: WARNING the CPU backend has no MUL_MAT_ID wait hook (patch 0033): each layer "
+                    "step reads its misses before the layer computes\n", __func__);
+        }
+    }
     // only now, with everything in place: the tensors read from the reservations
     for (auto & l : st.layers) {
         for (int p = 0; p < l.n_proj; ++p) {
@@ -401,9 +420,9 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             st.reader.direct ? "O_DIRECT" : "buffered");
     // the preamble: one line, key=value (pybmoe.engine parses it)
     LLAMA_LOG("moe-stream-preamble: layers=%zu n_expert=%d top_k=%d budget_mb=%.2f cache_cycle_mb=%.2f layer_demand_mb=%.2f "
-            "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f prefetch_experts=%lld\n", st.layers.size(), n_expert, n_used,
-            budget / mib, cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib, st.reader.direct ? 1 : 0,
-            st.reader.n_lanes, entry / mib, (long long) prefetch);
+            "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f prefetch_experts=%lld overlap=%d\n", st.layers.size(), n_expert,
+            n_used, budget / mib, cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib,
+            st.reader.direct ? 1 : 0, st.reader.n_lanes, entry / mib, (long long) prefetch, st.overlap ? 1 : 0);
     st.check_fit(); // a fixed budget that does not fit even before the contexts: one WARN now
     if ((double) budget < cycle) {
         // the cliff guard (the BigMoeOnEdge seed): state the fact, once, at load

@@ -33,8 +33,9 @@ static long llama_moe_major_faults() {
 
 void llama_moe_stream::unmap() {
     std::string err;
-    reader.wait(err); // no lane may still read into a reservation (a prefetch)
+    reader.wait(err); // no lane may still read into a reservation (a step's reads, a prefetch)
     prefetch_li = -1;
+    inflight.forget();
 #if !defined(_WIN32)
     for (auto & l : layers) {
         for (int p = 0; p < l.n_proj; ++p) {
@@ -102,6 +103,11 @@ int32_t llama_moe_stream::pin(int32_t il, int32_t e, const void * mem[LLAMA_MOE_
     std::lock_guard<std::mutex> lock(mutex);
     if (!lru.resident[entry]) {
         return -1;
+    }
+    for (int p = 0; overlap && p < l.n_proj; ++p) {
+        if (inflight.busy(entry, p)) {
+            return -1; // admitted, its bytes still on their way: read it from the file
+        }
     }
     if (pins.empty()) {
         pins.assign(lru.resident.size(), 0);
@@ -246,16 +252,13 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
         prefetch_li = -1;
     }
     std::sort(experts.begin(), experts.end());
-    const std::vector<llama_moe_read> jobs = read_jobs(l, experts, nbytes);
-    t0 = clock::now();
-    if (!reader.read(jobs, err)) {
-        // note: the expert's bytes are not there, so the layer's output would be wrong: stop here
-        GGML_ABORT("%s", err.c_str());
-    }
-    us += std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count();
+    // with the overlap, each of the step's ranges is marked in flight until its lane has read it, and
+    // the layer's MUL_MAT_IDs wait for each expert's bytes there (llama-moe-inflight.h)
+    std::vector<llama_moe_read> jobs = read_jobs(l, experts, nbytes, /*track =*/ overlap);
 
     // a prefill step (it wanted half of its layer or more, as the LRU counted it): read the next layer's
-    // non-resident experts while this one computes
+    // non-resident experts while this one computes, after this step's own reads on the same lanes
+    std::vector<llama_moe_read> ahead;
     if (prefetch_entries > 0 && li + 1 < (int32_t) layers.size() && lru.wants_half()) {
         const int32_t nl = li + 1;
         prefetched.assign(lru.n_expert, 0);
@@ -271,9 +274,26 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
         }
         if (!next.empty()) {
             size_t pb = 0;
-            reader.submit(read_jobs(layers[nl], next, pb));
+            ahead = read_jobs(layers[nl], next, pb, /*track =*/ false);
             prefetch_li = nl;
             prefetch_bytes += pb;
+        }
+    }
+    if (overlap) {
+        // one batch: the layer computes while it is read (the next step, or a resize, waits for all of it)
+        jobs.insert(jobs.end(), std::make_move_iterator(ahead.begin()), std::make_move_iterator(ahead.end()));
+        if (!jobs.empty()) {
+            reader.submit(jobs);
+        }
+    } else {
+        t0 = clock::now();
+        if (!reader.read(jobs, err)) {
+            // note: the expert's bytes are not there, so the layer's output would be wrong: stop here
+            GGML_ABORT("%s", err.c_str());
+        }
+        us += std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count();
+        if (!ahead.empty()) {
+            reader.submit(ahead);
         }
     }
     std::lock_guard<std::mutex> lock(mutex);
@@ -285,7 +305,7 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
 }
 
 std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
-                                                         size_t & nbytes) {
+                                                         size_t & nbytes, bool track) {
     // one read per run of consecutive expert ids (they are adjacent in the file and in the reservation; a
     // prefill step wants most of a layer), cut into reads of at most ~8 MiB so that the lanes share the work
     std::vector<llama_moe_read> jobs;
@@ -298,7 +318,7 @@ std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_l
                 j++;
             }
             const size_t e = (size_t) experts[i];
-            llama_moe_read job { l.src[p].file, l.src[p].offs + e * n, (j - i) * n, l.base[p] + e * n, /*in_place =*/ true, {} };
+            llama_moe_read job { l.src[p].file, l.src[p].offs + e * n, (j - i) * n, l.base[p] + e * n, /*in_place =*/ true, {}, {} };
             if (frames[p].on()) {
                 const int32_t first = l.li * lru.n_expert + (int32_t) e;
                 const int32_t count = (int32_t) (j - i);
@@ -312,6 +332,17 @@ std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_l
                     }
                 };
             }
+            if (track) {
+                const int64_t first = (int64_t) l.li * lru.n_expert + (int64_t) e;
+                const int64_t count = (int64_t) (j - i);
+                for (int64_t entry = first; entry < first + count; ++entry) {
+                    inflight.mark(entry, p);
+                }
+                llama_moe_inflight * fl = &inflight;
+                job.after = [fl, first, count, p](bool ok, const std::string & err) {
+                    fl->done(first, count, p, ok, err);
+                };
+            }
             jobs.push_back(std::move(job));
             nbytes += (j - i) * n;
             i = j;
@@ -321,12 +352,14 @@ std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_l
 }
 
 void llama_moe_stream::settle_prefetch(int32_t li) {
-    if (prefetch_li < 0) {
-        return;
-    }
+    // every read in flight: the last step's (with the overlap, its layer waited for them expert by expert)
+    // and the prefetch
     std::string err;
     if (!reader.wait(err)) {
         GGML_ABORT("%s", err.c_str());
+    }
+    if (prefetch_li < 0) {
+        return;
     }
     if (prefetch_li != li) {
         std::vector<int32_t> unused;
@@ -351,7 +384,7 @@ void llama_moe_stream::get_stats(llama_moe_stream_stats & out) const {
     out.min_bytes      = (uint64_t) min_bytes;
     out.total_bytes    = (uint64_t) total_bytes;
     out.n_tokens       = n_tokens;
-    out.io_wait_us     = io_wait_us;
+    out.io_wait_us     = io_wait_us + inflight.wait_us.load();
     out.major_faults   = (uint64_t) std::max(0L, llama_moe_major_faults() - majflt_at_start);
     out.n_layers       = (int32_t) layers.size();
     out.direct_io      = reader.direct ? 1 : 0;

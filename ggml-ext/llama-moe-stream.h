@@ -14,6 +14,7 @@
 // device are computed there and not streamed).
 
 #include "llama-moe-frames.h"
+#include "llama-moe-inflight.h"
 #include "llama-moe-residency.h"
 #include "llama-moe-source.h"
 #include "llama-moe-vram.h"
@@ -191,9 +192,18 @@ struct llama_moe_stream {
     void release(const std::vector<int32_t> & entries);
 
     // the reads of layer li's experts `experts` (sorted) into their places, one per run of consecutive
-    // ids cut at ~8 MiB, each mapping its experts' page frames first; adds their bytes to nbytes
+    // ids cut at ~8 MiB, each mapping its experts' page frames first; adds their bytes to nbytes. track:
+    // each range is marked in flight (`inflight`) now, and in place by its lane once read
     std::vector<llama_moe_read> read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
-                                          size_t & nbytes);
+                                          size_t & nbytes, bool track);
+
+    // Reads behind compute (on by default; PYBMOE_MOE_STREAM_OVERLAP=0 turns it off): a step submits its
+    // reads and returns; the layer's MUL_MAT_IDs wait for each expert's bytes (patch 0033's hook), so the
+    // hits and the misses already read compute while the rest are read. The bytes each expert's rows
+    // read, and so the output, are those of a blocking step. Off (or a CPU backend without the hook):
+    // the step reads every miss before the layer computes
+    bool               overlap = false;
+    llama_moe_inflight inflight;
 
     uint32_t n_graph_nodes() const {
         return (uint32_t) layers.size();

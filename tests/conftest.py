@@ -164,6 +164,8 @@ SLOW: dict[str, str | set[str]] = {
         "test_streamed_logits_equal_all_resident",  # 24 s
         "test_the_dense_policies_change_no_logit",  # 4 s
         "test_the_engines_stream_hits_equal_the_simulators_policy",  # 16 s for the 12 cases
+        "test_reads_behind_compute_change_no_logit_and_no_hit",  # 3 archs x 2 ubatches, 3 runs each
+        "test_a_gguf_truncated_after_load_stops_with_the_file_and_the_offset",  # 2 s each
     },
     "tests/engine/test_upstream_server.py": "*",  # 37 s
     "tests/engine/test_vulkan.py": "*",  # 4-12 s a test where a Vulkan build exists (CI builds one)
@@ -191,6 +193,7 @@ SLOW: dict[str, str | set[str]] = {
     "tests/engine/test_stream_defaults.py": {
         "test_dense_auto_picks_anon_only_for_a_fixed_budget_when_the_gguf_does_not_fit_and_stays_exact",  # 7 s
         "test_the_load_reads_only_the_dense_weights",  # 14 s
+        "test_prefetch_changes_no_logit_and_its_window_is_lent_to_decode",  # 4 s
     },
     "tests/test_cli.py": {
         "test_serve_runs_llama_server_inside_the_memory_limit",  # 4 s

@@ -9,8 +9,9 @@ cold page cache. One pass of four fixed points picks its best on single runs who
 third from run to run (the io wait of equal reads), so the max over them is biased up; this pass
 compares medians.
 
-Writes OUT/sweep-confirm.csv (one row per run, with its mode) and OUT/sweep-confirm-summary.csv (per
-setting and mode: the two medians and defaults / the other). ``--settings`` names the sweep's
+Writes OUT/sweep-confirm.csv (one row per run, with its mode; a run that failed, such as one the kernel
+killed for memory, has ``failed`` set and no speed) and OUT/sweep-confirm-summary.csv (per setting and
+mode: the two medians of the runs that completed and defaults / the other). ``--settings`` names the sweep's
 sweep-settings.csv when OUT is a new folder (default: OUT/sweep-settings.csv).
 
 ``--predict``: the prediction of ``pybmoe size --stream-mb`` (:func:`pybmoe.routing.sizing.predict_stream`)
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from pybmoe import engine
 from pybmoe.bench import disk, stream
 from pybmoe.engine import memlimit
 from pybmoe.routing import sizing
@@ -81,10 +83,17 @@ def main() -> int:
                                    if a.predict and mode == "tg" else None)
                     for pt in (pts if rep % 2 == 0 else pts[::-1]):
                         log = a.out / "confirm-logs" / f"{s.model}-{s.factor:g}x-{s.routing}-{mode}-{pt.name.replace(':', '-')}-{rep}.log"
-                        r = stream.run_point(model, pt, mode, limit=lim, cold=True, log_path=log,
-                                             n_prompt=a.n_prompt if mode == "pp" else 1, n_gen=a.n_gen, threads=2,
-                                             ubatch=512, io_threads=None, floor_mib=None,
-                                             route_replay=a.traces / f"{s.routing}-{s.model}.csv")
+                        try:
+                            r = stream.run_point(model, pt, mode, limit=lim, cold=True, log_path=log,
+                                                 n_prompt=a.n_prompt if mode == "pp" else 1, n_gen=a.n_gen, threads=2,
+                                                 ubatch=512, io_threads=None, floor_mib=None,
+                                                 route_replay=a.traces / f"{s.routing}-{s.model}.csv")
+                        except engine.EngineError as e:  # killed (out of memory) or refused: a row without a speed
+                            rows.append(dict(model=s.model, factor=s.factor, routing=s.routing, limit_mib=s.limit_mib,
+                                             mode=mode, point=pt.name, repeat=rep, failed=str(e).splitlines()[0][:200]))
+                            print(f"{s.model} {s.factor:g}x {s.routing} {mode} {pt.name} {rep}: failed: "
+                                  f"{str(e).splitlines()[0][:120]}", file=sys.stderr, flush=True)
+                            continue
                         rows.append(dict(model=s.model, factor=s.factor, routing=s.routing, limit_mib=s.limit_mib,
                                          mode=mode, point=pt.name, repeat=rep, ts=r["avg_ts"],
                                          hit_pct=r.get("stream_hit_pct"), io_wait_s=r.get("stream_io_wait_s"),
@@ -108,9 +117,12 @@ def main() -> int:
                               file=sys.stderr, flush=True)
                 pd.DataFrame(rows).to_csv(a.out / "sweep-confirm.csv", index=False)
     df = pd.DataFrame(rows)
-    med = df.groupby(["model", "factor", "routing", "mode", "point"], sort=False).ts.median().reset_index()
+    done = df.dropna(subset=["ts"])
+    med = done.groupby(["model", "factor", "routing", "mode", "point"], sort=False).ts.median().reset_index()
     out = []
     for key, g in med.groupby(["model", "factor", "routing", "mode"], sort=False):
+        if (g.point == "defaults").sum() == 0 or (g.point != "defaults").sum() == 0:
+            continue  # every run of one side failed
         d = g[g.point == "defaults"].ts.iloc[0]
         b = g[g.point != "defaults"]
         out.append(dict(model=key[0], factor=key[1], routing=key[2], mode=key[3], against=b.point.iloc[0],

@@ -86,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(default %(default)s)")
     ap.add_argument("--admit-window", type=_window, default=None, metavar="N",
                     help=f"second-miss's window in steps of the layer (default {sim.DEFAULT_ADMIT_WINDOW})")
+    ap.add_argument("--lend", type=int, default=None, metavar="N",
+                    help="entries the stream tier's prefetch window lends to decode (global-lru, global-lru-scan; "
+                         "default: the trace header's stream_lend, else 0)")
     ap.add_argument("--workload", default=None, help="replay only this workload")
     ap.add_argument("--csv", action="store_true", help="print tidy CSV: one row per workload, policy and budget")
     ap.add_argument("-o", "--output", type=Path, default=None, help="also write the tidy CSV here")
@@ -143,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         df = sim.sweep(rp, policies, [(kind, v) for v in values], phase=a.phase, inserts=a.inserts,
                        max_batch=a.max_batch or int(t.meta.extra.get("max_batch", 1)), expert_bytes=expert_bytes,
                        admit=a.admit, admit_window=a.admit_window, backend=a.backend,
-                       progress=False if a.no_progress else None)
+                       progress=False if a.no_progress else None,
+                       lend_entries=int(t.meta.extra.get("stream_lend", 0)) if a.lend is None else a.lend)
     except (OSError, ValueError) as e:
         print(f"pybmoe simulate: error: {e}", file=err)
         return 2

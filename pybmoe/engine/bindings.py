@@ -108,9 +108,10 @@ class MoeStreamStats:
     resident_mib, budget_mib, min_mib (the mechanical minimum), total_mib (every streamed expert):
     MiB; tokens: tokens served; io_wait_s: seconds the graph waited for reads; major_faults: the
     process's major page faults since the tier started; direct_io: O_DIRECT reads (else buffered);
-    prefetch_mib / prefetch_used_mib: MiB the opt-in prefetch read ahead, and of them the MiB a step
-    then used. These are the fields of the engine's ``moe-stream:`` summary line (which
-    ``verbose=False`` does not print).
+    prefetch_mib / prefetch_used_mib: MiB the prefetch read ahead during prefill steps, and of them the
+    MiB a step then used. resident_mib can exceed budget_mib by the prefetch window, which decode
+    holds as cache entries (docs/stream-tier.md, "Prefetch"). These are the fields of the engine's
+    ``moe-stream:`` summary line (which ``verbose=False`` does not print).
     """
 
     hits: int

@@ -943,12 +943,13 @@ def _summary(rp: Replay, policy: str, phase: str, entries: int, spl: float, inse
 def sweep(trace: tr.Trace | Replay, policies: Sequence[str], budgets: Sequence[tuple[str, float]], *,
           phase: str = "decode", inserts: int | None = None, max_batch: int = 1, expert_bytes: float | None = None,
           admit: str = "always", admit_window: int | None = None, backend: str = "auto",
-          progress: bool | None = None) -> pd.DataFrame:
+          progress: bool | None = None, lend_entries: int = 0) -> pd.DataFrame:
     """Replay every policy at every budget; the tidy concatenation of the summaries.
 
     ``budgets`` are ``(kind, value)`` pairs with ``kind`` in :data:`BUDGET_KINDS`. ``admit`` and
     ``admit_window`` (steps) as in :func:`simulate` (an admission other than ``always`` needs
-    layer-lru as the only policy). ``progress``: show a progress bar on stderr (None: only when
+    layer-lru as the only policy). ``lend_entries`` as in :func:`simulate`, for global-lru and
+    global-lru-scan (the other policies replay without it). ``progress``: show a progress bar on stderr (None: only when
     stderr is a terminal). Raises like :func:`simulate`, before any replay.
     """
     from tqdm import tqdm
@@ -969,6 +970,7 @@ def sweep(trace: tr.Trace | Replay, policies: Sequence[str], budgets: Sequence[t
                     raise BudgetError(f"budget kind {kind!r}; accepted: {', '.join(BUDGET_KINDS)}")
                 r = simulate(rp, p, phase=phase, inserts=inserts, max_batch=max_batch, expert_bytes=expert_bytes,
                              admit=admit, admit_window=admit_window, backend=backend, progress=bar.update,
+                             lend_entries=lend_entries if p in ("global-lru", "global-lru-scan") else 0,
                              **{kind: v})
                 frames.append(r.summary)
     return pd.concat(frames, ignore_index=True)

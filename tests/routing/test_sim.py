@@ -480,6 +480,23 @@ def test_cli_csv_one_row_per_workload(granite, capsys):
     assert set(df["budget_entries"]) == {192, 768}
 
 
+def test_cli_lend_replays_the_prefetch_window(granite, capsys):
+    """--lend N is simulate(lend_entries=N) for the two LRUs; layer-lru replays without it; a negative N is
+    refused with the accepted range."""
+    from io import StringIO
+    argv = [str(GRANITE), "--policy", "global-lru-scan,layer-lru", "--budget-entries", "400", "--csv", "--no-progress"]
+    assert simulate.main(argv + ["--lend", "40"]) == 0
+    df = pd.read_csv(StringIO(capsys.readouterr().out))
+    want = sim.simulate(granite, "global-lru-scan", budget_entries=400, lend_entries=40).summary
+    got = df[df["policy"] == "global-lru-scan"].reset_index(drop=True)
+    assert got["hits"].tolist() == want["hits"].tolist()
+    assert got["hits"].sum() > sim.simulate(granite, "global-lru-scan", budget_entries=400).summary["hits"].sum()
+    plain = sim.simulate(granite, "layer-lru", budget_entries=400).summary
+    assert df[df["policy"] == "layer-lru"]["hits"].tolist() == plain["hits"].tolist()
+    assert simulate.main(argv + ["--lend", "-1"]) == 2
+    assert "lend_entries -1; accepted: an integer >= 0" in capsys.readouterr().err
+
+
 def test_cli_errors_and_help(capsys):
     with pytest.raises(SystemExit) as e:
         simulate.main(["--help"])

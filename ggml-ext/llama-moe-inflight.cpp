@@ -1,0 +1,123 @@
+// pybmoe: the stream tier's reads in flight and the CPU kernel's wait for them. See llama-moe-inflight.h.
+
+#include "llama-moe-inflight.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <chrono>
+#include <unordered_map>
+
+namespace {
+
+struct llama_moe_inflight_ref {
+    llama_moe_inflight * tier;
+    int32_t li;
+    int32_t p;
+    int32_t n_expert;
+};
+
+// every streamed expert tensor of the process -> its tier, layer and projection (several models may
+// stream at once); g_busy counts the flags set in all of them, so that the hook costs one atomic load
+// while nothing is in flight (every other MUL_MAT_ID of the process, prefill or decode)
+std::mutex g_mutex;
+std::unordered_map<const ggml_tensor *, llama_moe_inflight_ref> g_tensors;
+std::atomic<int64_t> g_busy { 0 };
+
+int64_t llama_moe_now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+            std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void llama_moe_mul_mat_id_wait(const ggml_tensor * as, int64_t e) {
+    if (g_busy.load(std::memory_order_acquire) == 0) {
+        return;
+    }
+    llama_moe_inflight_ref ref;
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        auto it = g_tensors.find(as);
+        if (it == g_tensors.end()) {
+            return;
+        }
+        ref = it->second;
+    }
+    ref.tier->wait((int64_t) ref.li * ref.n_expert + e, ref.p);
+}
+
+} // namespace
+
+void llama_moe_inflight::init(int64_t n_entries, int32_t n_proj_) {
+    n_proj  = n_proj_;
+    n_flags = n_entries * n_proj;
+    flags.reset(new std::atomic<uint8_t>[(size_t) n_flags]);
+    for (int64_t i = 0; i < n_flags; ++i) {
+        flags[i].store(0, std::memory_order_relaxed);
+    }
+}
+
+void llama_moe_inflight::mark(int64_t entry, int32_t p) {
+    flags[(size_t) entry * n_proj + p].store(1, std::memory_order_release);
+    g_busy.fetch_add(1, std::memory_order_acq_rel);
+}
+
+void llama_moe_inflight::done(int64_t first, int64_t count, int32_t p, bool ok, const std::string & err) {
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        for (int64_t e = first; e < first + count; ++e) {
+            flags[(size_t) e * n_proj + p].store(0, std::memory_order_release);
+        }
+        if (!ok && !failed) {
+            failed = true;
+            error  = err;
+        }
+    }
+    g_busy.fetch_sub(count, std::memory_order_acq_rel);
+    cv.notify_all();
+}
+
+void llama_moe_inflight::wait(int64_t entry, int32_t p) {
+    std::atomic<uint8_t> & f = flags[(size_t) entry * n_proj + p];
+    if (f.load(std::memory_order_acquire) == 0) {
+        return;
+    }
+    std::unique_lock<std::mutex> lock(mutex);
+    if (n_waiting++ == 0) {
+        wait_t0 = llama_moe_now_us();
+    }
+    cv.wait(lock, [&] { return failed || f.load(std::memory_order_acquire) == 0; });
+    if (--n_waiting == 0) {
+        wait_us += (uint64_t) (llama_moe_now_us() - wait_t0);
+    }
+    if (failed) {
+        // note: the expert's bytes are not there, so the layer's output would be wrong: stop here
+        GGML_ABORT("%s", error.c_str());
+    }
+}
+
+void llama_moe_inflight::register_tensor(const ggml_tensor * t, int32_t li, int32_t p, int32_t n_expert) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_tensors[t] = { this, li, p, n_expert };
+}
+
+void llama_moe_inflight::forget() {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (auto it = g_tensors.begin(); it != g_tensors.end(); ) {
+        it = it->second.tier == this ? g_tensors.erase(it) : std::next(it);
+    }
+}
+
+bool llama_moe_inflight::install() {
+    static const bool ok = [] {
+        ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+        auto * set = reg ? (void (*)(ggml_cpu_mul_mat_id_wait_t)) ggml_backend_reg_get_proc_address(reg,
+                "ggml_cpu_set_mul_mat_id_wait") : nullptr;
+        if (set == nullptr) {
+            return false;
+        }
+        set(llama_moe_mul_mat_id_wait);
+        return true;
+    }();
+    return ok;
+}
