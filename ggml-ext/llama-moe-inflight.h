@@ -16,7 +16,6 @@
 // stream step, llama-moe-stream.cpp), the reads themselves (llama-moe-source.h) or the policy.
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -59,10 +58,9 @@ private:
     int64_t n_flags = 0;
     int32_t n_proj  = 0;
 
-    std::mutex              mutex;  // the waits
-    std::condition_variable cv;
-    int32_t     n_waiting = 0;
-    int64_t     wait_t0   = 0;      // when the first of the threads waiting now began (us)
-    bool        failed    = false;
-    std::string error;
+    std::atomic<int32_t> n_waiting { 0 };
+    std::atomic<int64_t> wait_t0   { 0 };      // when the first of the threads waiting now began (us)
+    std::atomic<bool>    failed    { false };
+    std::mutex           mutex;                // the error
+    std::string          error;
 };
