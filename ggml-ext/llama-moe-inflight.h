@@ -3,10 +3,11 @@
 // pybmoe: the stream tier's reads still in flight while a layer computes, and the CPU kernel's wait
 // for them (patch 0033: ggml-cpu's MUL_MAT_ID calls a hook before each expert's rows).
 //
-// Why: a layer step's misses used to be read in one blocking step before the layer computed. Now the
-// step starts their reads and returns; MUL_MAT_ID walks the experts in id order and, before an
-// expert's rows, waits for that expert's bytes in that projection only. So the hits, and the misses
-// already read, compute while the rest are read (docs/stream-tier.md, "Reads behind compute").
+// Why: a layer step's misses are read in one blocking step before the layer computes. With
+// PYBMOE_MOE_STREAM_OVERLAP=1 a decode step starts their reads and returns; MUL_MAT_ID walks the
+// experts in id order and, before an expert's rows, waits for that expert's bytes in that projection
+// only. So the hits, and the misses already read, compute while the rest are read (docs/stream-tier.md,
+// "Reads behind compute": it pays only where the compute threads leave the read lanes a core).
 //
 // How: one flag per (entry, projection), set by the step for each range it submits and cleared by
 // the read lane when the range is in place; a process-wide map from each streamed expert tensor to

@@ -369,23 +369,25 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                     __func__, why.c_str());
         }
     }
-    // reads behind compute (llama-moe-inflight.h): the layer's MUL_MAT_IDs wait for each expert's bytes
+    // reads behind compute (llama-moe-inflight.h), asked for with PYBMOE_MOE_STREAM_OVERLAP=1: the layer's
+    // MUL_MAT_IDs wait for each expert's bytes. Off by default: on this project's 2-core machine, with 2
+    // compute threads, decode was at parity or slower (the lanes wait for a core; docs/stream-tier.md)
     {
         const char * ov_env = getenv("PYBMOE_MOE_STREAM_OVERLAP");
-        const bool   ov_off = ov_env && atoi(ov_env) == 0;
+        const bool   ov_on  = ov_env && atoi(ov_env) != 0;
         st.inflight.init((int64_t) n_expert * (int64_t) st.layers.size(), LLAMA_MOE_N_PROJ);
         for (const auto & l : st.layers) {
             for (int p = 0; p < l.n_proj; ++p) {
                 st.inflight.register_tensor(l.exps[p], l.li, p, n_expert);
             }
         }
-        st.overlap = !ov_off && llama_moe_inflight::install();
-        if (ov_off) {
-            LLAMA_LOG("%s: moe-stream: reads behind compute off (PYBMOE_MOE_STREAM_OVERLAP=0): each layer step reads its "
-                    "misses before the layer computes\n", __func__);
-        } else if (!st.overlap) {
-            LLAMA_LOG_WARN("%s: moe-stream: WARNING the CPU backend has no MUL_MAT_ID wait hook (patch 0033): each layer "
-                    "step reads its misses before the layer computes\n", __func__);
+        st.overlap = ov_on && llama_moe_inflight::install();
+        if (st.overlap) {
+            LLAMA_LOG("%s: moe-stream: reads behind compute (PYBMOE_MOE_STREAM_OVERLAP=1): a decode step's misses are read "
+                    "while the layer computes, each expert waited for by the MUL_MAT_ID that needs it\n", __func__);
+        } else if (ov_on) {
+            LLAMA_LOG_WARN("%s: moe-stream: WARNING PYBMOE_MOE_STREAM_OVERLAP=1, but the CPU backend has no MUL_MAT_ID wait "
+                    "hook (patch 0033): each layer step reads its misses before the layer computes\n", __func__);
         }
     }
     // only now, with everything in place: the tensors read from the reservations

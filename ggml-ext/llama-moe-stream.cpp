@@ -253,8 +253,11 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     }
     std::sort(experts.begin(), experts.end());
     // with the overlap, each of the step's ranges is marked in flight until its lane has read it, and
-    // the layer's MUL_MAT_IDs wait for each expert's bytes there (llama-moe-inflight.h)
-    std::vector<llama_moe_read> jobs = read_jobs(l, experts, nbytes, /*track =*/ overlap);
+    // the layer's MUL_MAT_IDs wait for each expert's bytes there (llama-moe-inflight.h). Decode steps only:
+    // a prefill step's compute takes every core the lanes need (2 cores, 2 threads: prefill 11-13 % slower
+    // with it at C and B, docs/stream-tier.md, "Reads behind compute"), and the prefetch already overlaps it
+    const bool async = overlap && !lru.wants_half();
+    std::vector<llama_moe_read> jobs = read_jobs(l, experts, nbytes, /*track =*/ async);
 
     // a prefill step (it wanted half of its layer or more, as the LRU counted it): read the next layer's
     // non-resident experts while this one computes, after this step's own reads on the same lanes
@@ -279,7 +282,7 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
             prefetch_bytes += pb;
         }
     }
-    if (overlap) {
+    if (async) {
         // one batch: the layer computes while it is read (the next step, or a resize, waits for all of it)
         jobs.insert(jobs.end(), std::make_move_iterator(ahead.begin()), std::make_move_iterator(ahead.end()));
         if (!jobs.empty()) {

@@ -197,11 +197,12 @@ struct llama_moe_stream {
     std::vector<llama_moe_read> read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
                                           size_t & nbytes, bool track);
 
-    // Reads behind compute (on by default; PYBMOE_MOE_STREAM_OVERLAP=0 turns it off): a step submits its
-    // reads and returns; the layer's MUL_MAT_IDs wait for each expert's bytes (patch 0033's hook), so the
-    // hits and the misses already read compute while the rest are read. The bytes each expert's rows
-    // read, and so the output, are those of a blocking step. Off (or a CPU backend without the hook):
-    // the step reads every miss before the layer computes
+    // Reads behind compute (PYBMOE_MOE_STREAM_OVERLAP=1; decode steps, those that want less than half of
+    // their layer): a step submits its reads and returns; the layer's MUL_MAT_IDs wait for each expert's
+    // bytes (patch 0033's hook), so the hits and the misses already read compute while the rest are read.
+    // The bytes each expert's rows read, and so the output, are those of a blocking step. Off (the
+    // default: no gain with every core computing, docs/stream-tier.md), a prefill step, or a CPU backend
+    // without the hook: the step reads every miss before the layer computes
     bool               overlap = false;
     llama_moe_inflight inflight;
 

@@ -237,19 +237,21 @@ def test_a_model_without_moe_layers_is_inert_with_one_warn_line(tmp_path):
 
 @pytest.mark.parametrize("ub", [1, 32])
 def test_reads_behind_compute_change_no_logit_and_no_hit(arch_model, ub, tmp_path):
-    """By default a step submits its reads and the layer's MUL_MAT_IDs wait for each expert's bytes
-    (patch 0033's hook; the preamble says overlap=1); PYBMOE_MOE_STREAM_OVERLAP=0 reads every miss first
-    (overlap=0, and one line says so). Both are bit-identical to all-resident, with the same hits per
-    layer, below the cycle (many misses per step) and at the mechanical minimum."""
+    """With PYBMOE_MOE_STREAM_OVERLAP=1 a decode step submits its reads and the layer's MUL_MAT_IDs wait
+    for each expert's bytes (patch 0033's hook; one line says so, the preamble says overlap=1); by
+    default every miss is read first (overlap=0, no line). Both are bit-identical to all-resident, with
+    the same hits per layer, at the mechanical minimum (many misses per step; at ubatch 32 the prompt's
+    steps want half of the layer and block, its decode steps do not)."""
     import os
     base = run(arch_model, tmp_path, ub, [], "ov-base")
     mib = budgets(arch_model, ub)["min"]
-    on = run(arch_model, tmp_path, ub, ["--moe-stream-cache-mb", str(mib)], f"ov-on-{ub}")
+    on = run(arch_model, tmp_path, ub, ["--moe-stream-cache-mb", str(mib)], f"ov-on-{ub}",
+             env={**os.environ, "PYBMOE_MOE_STREAM_OVERLAP": "1"})
     off = run(arch_model, tmp_path, ub, ["--moe-stream-cache-mb", str(mib)], f"ov-off-{ub}",
-              env={**os.environ, "PYBMOE_MOE_STREAM_OVERLAP": "0"})
+              env={k: v for k, v in os.environ.items() if k != "PYBMOE_MOE_STREAM_OVERLAP"})
     assert re.search(r"overlap=1$", on.log, re.M) and re.search(r"overlap=0$", off.log, re.M)
-    assert off.log.count("reads behind compute off (PYBMOE_MOE_STREAM_OVERLAP=0)") == 1
-    assert "reads behind compute off" not in on.log and "no MUL_MAT_ID wait hook" not in on.log
+    assert on.log.count("reads behind compute (PYBMOE_MOE_STREAM_OVERLAP=1)") == 1
+    assert "reads behind compute" not in off.log and "no MUL_MAT_ID wait hook" not in on.log
     assert on.logits == base.logits and off.logits == base.logits and on.tokens == base.tokens
     assert on.stream_layers == off.stream_layers and sum(m for _, m in on.stream_layers.values()) > 0
 
@@ -259,7 +261,7 @@ def test_a_gguf_truncated_after_load_stops_with_the_file_and_the_offset(tmp_path
     """The experts are read at run time: a file cut short after the load (here without mmap, so the
     dense weights are already in RAM) makes the first read past its end fail, naming the file and
     the offset, instead of computing with missing bytes: with the reads behind compute (the layer's
-    MUL_MAT_ID waits for the expert and stops there) and without."""
+    MUL_MAT_ID waits for the expert and stops there: PYBMOE_MOE_STREAM_OVERLAP=1) and without."""
     import os
     import shutil
     import subprocess

@@ -5,9 +5,9 @@ prefill (``pp``: -p 32), both on the setting's routing trace.
 
     run-overlap.py ROUNDS OUT.csv NAME=MODEL.gguf:FACTOR:TRACE:MODES ...
 
-The run kept here (MODES tg, pp or tg+pp):
-    ... 4 overlap.csv A=A-L24-E128-K8-q4_0.gguf:3:granite-A.csv:tg+pp B=B-L24-E64-K4-q8_0.gguf:3:uniform-B.csv:tg+pp
-        C=C-L16-E256-K8-q4_k.gguf:3:granite-C.csv:tg+pp A=A-L24-E128-K8-q4_0.gguf:3:uniform-A.csv:pp
+The run kept here (MODES tg, pp or tg+pp; the models and traces of docs/benchmarks.md's sweep):
+    ... 3 overlap.csv C=C-L16-E256-K8-q4_k.gguf:3:granite-C.csv:tg+pp A=A-L24-E128-K8-q4_0.gguf:3:granite-A.csv:tg+pp
+        B=B-L24-E64-K4-q8_0.gguf:3:uniform-B.csv:tg+pp
 """
 import os
 import re
