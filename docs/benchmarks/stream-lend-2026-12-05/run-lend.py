@@ -10,6 +10,8 @@ The runs kept here (the three settings under 90 % of the best fixed point before
     ... B-L24-E64-K4-q8_0.gguf 3 granite-B.csv 4 b3-granite.csv 777+mmap 739+mmap
     ... B-L24-E64-K4-q8_0.gguf 3 uniform-B.csv 3 b3-uniform-budgets.csv 518+mmap 600+mmap 686+mmap
         (B 3x uniform, under 90 % in the 18-setting confirm: the fixed point's budget and larger ones)
+    ... A-L24-E128-K8-q4_0.gguf 3 uniform-A.csv 3 a3-uniform.csv 947+mmap
+        (A 3x uniform, the other one under 90 % there)
 The second budget of each is the first less the window a fixed budget lends (a quarter of a layer), so that
 decode holds what the first held before the lend.
 """
