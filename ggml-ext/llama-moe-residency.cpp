@@ -282,16 +282,7 @@ void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vec
     // the lend: a step that wants half of its layer or more holds capacity entries, the others capacity + lend
     const int64_t cap = wants_half() ? capacity : capacity + lend;
     while (n_resident > cap) {
-        int32_t v = tail;
-        while (v >= 0 && need[v] == gen) {
-            v = prev[v];
-        }
-        LLAMA_MOE_RES_ASSERT(v >= 0 && "the step needs more entries than the capacity holds");
-        unlink(v);
-        resident[v] = 0;
-        n_resident--;
-        evictions++;
-        evicted.push_back(v);
+        evict_unneeded(evicted);
     }
     hit.resize(n);
     for (int64_t i = 0; i < n; ++i) {
@@ -308,18 +299,7 @@ void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vec
         misses++;
         hit[i] = 0;
         if (n_resident >= cap) {
-            int32_t v = tail;
-            while (v >= 0 && need[v] == gen) {
-                v = prev[v];
-            }
-            // note: a capacity of at least the largest step always leaves a victim (the tier refuses
-            // smaller budgets at load)
-            LLAMA_MOE_RES_ASSERT(v >= 0 && "the step needs more entries than the capacity holds");
-            unlink(v);
-            resident[v] = 0;
-            n_resident--;
-            evictions++;
-            evicted.push_back(v);
+            evict_unneeded(evicted);
         }
         resident[e] = 1;
         n_resident++;
@@ -331,6 +311,21 @@ void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vec
         }
         admitted.push_back(e);
     }
+}
+
+void llama_moe_lru::evict_unneeded(std::vector<int32_t> & evicted) {
+    int32_t v = tail;
+    while (v >= 0 && need[v] == gen) {
+        v = prev[v];
+    }
+    // note: a capacity of at least the largest step always leaves a victim (the tier refuses smaller
+    // budgets at load)
+    LLAMA_MOE_RES_ASSERT(v >= 0 && "the step needs more entries than the capacity holds");
+    unlink(v);
+    resident[v] = 0;
+    n_resident--;
+    evictions++;
+    evicted.push_back(v);
 }
 
 void llama_moe_lru::resize(int64_t capacity_, std::vector<int32_t> & evicted) {

@@ -205,4 +205,6 @@ private:
     void unlink(int32_t e);
     void push_front(int32_t e);
     void push_back(int32_t e);
+    // evicts the least recently used entry the current step does not need (appended to `evicted`)
+    void evict_unneeded(std::vector<int32_t> & evicted);
 };

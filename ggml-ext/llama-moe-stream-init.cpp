@@ -375,13 +375,15 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     {
         const char * ov_env = getenv("PYBMOE_MOE_STREAM_OVERLAP");
         const bool   ov_on  = ov_env && atoi(ov_env) != 0;
-        st.inflight.init((int64_t) n_expert * (int64_t) st.layers.size(), LLAMA_MOE_N_PROJ);
-        for (const auto & l : st.layers) {
-            for (int p = 0; p < l.n_proj; ++p) {
-                st.inflight.register_tensor(l.exps[p], l.li, p, n_expert);
+        st.overlap = ov_on && llama_moe_inflight::install();
+        if (st.overlap) { // the flags and the hook's map, only when asked for
+            st.inflight.init((int64_t) n_expert * (int64_t) st.layers.size(), LLAMA_MOE_N_PROJ);
+            for (const auto & l : st.layers) {
+                for (int p = 0; p < l.n_proj; ++p) {
+                    st.inflight.register_tensor(l.exps[p], l.li, p, n_expert);
+                }
             }
         }
-        st.overlap = ov_on && llama_moe_inflight::install();
         if (st.overlap) {
             LLAMA_LOG("%s: moe-stream: reads behind compute (PYBMOE_MOE_STREAM_OVERLAP=1): a decode step's misses are read "
                     "while the layer computes, each expert waited for by the MUL_MAT_ID that needs it\n", __func__);

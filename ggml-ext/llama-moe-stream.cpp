@@ -259,8 +259,8 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     const bool async = overlap && !lru.wants_half();
     std::vector<llama_moe_read> jobs = read_jobs(l, experts, nbytes, /*track =*/ async);
 
-    // a prefill step (it wanted half of its layer or more, as the LRU counted it): read the next layer's
-    // non-resident experts while this one computes, after this step's own reads on the same lanes
+    // a prefill step (it wanted half of its layer or more, as the LRU counted it; it blocks, so `async` is
+    // false): read the next layer's non-resident experts while this one computes
     std::vector<llama_moe_read> ahead;
     if (prefetch_entries > 0 && li + 1 < (int32_t) layers.size() && lru.wants_half()) {
         const int32_t nl = li + 1;
@@ -283,8 +283,7 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
         }
     }
     if (async) {
-        // one batch: the layer computes while it is read (the next step, or a resize, waits for all of it)
-        jobs.insert(jobs.end(), std::make_move_iterator(ahead.begin()), std::make_move_iterator(ahead.end()));
+        // the layer computes while it is read (the next step, or a resize, waits for any read left)
         if (!jobs.empty()) {
             reader.submit(jobs);
         }

@@ -400,6 +400,25 @@ static inline void dl_prepend(int32_t * prv, int32_t * nxt, int32_t s, int32_t x
     dl_insert_after(prv, nxt, s, x);
 }
 
+// the list's next victim from *cur (the list's minimum end when *cur < 0) on, skipping the entries unit `tag`
+// needs: unlinked and no longer resident, *cur past it; 0 when there is none
+static inline int list_evict(gstate * g, int32_t * prv, int32_t * nxt, int32_t S, int64_t tag, int32_t * cur) {
+    if (*cur < 0) {
+        *cur = nxt[S];
+    }
+    while (*cur != S && g->mark[*cur] == tag) { // needed by this unit: never evicted
+        *cur = nxt[*cur];
+    }
+    if (*cur == S) {
+        return 0;
+    }
+    const int32_t v = *cur;
+    *cur = nxt[v];
+    dl_unlink(prv, nxt, v);
+    g->resident[v] = 0;
+    return 1;
+}
+
 // is_lru: recency order (global-lru); scan: with the scan guard; n_layer: the layers of n_entries / n_layer
 // experts each the entries span (the guard's and the lend's "half of its layer"); lend: entries a unit that
 // wants less than half of its layer may hold beyond capacity (the engine's prefetch window, lent to decode);
@@ -435,21 +454,8 @@ static int32_t sim_list(int is_lru, int scan_guard, int64_t n_layer, int64_t len
         // the lend: a unit that wants half of its layer or more holds capacity entries, the others capacity + lend
         const int64_t cap = half ? capacity : (capacity + lend < n_entries ? capacity + lend : n_entries);
         int32_t cur = -1, n_adm = 0;
-        if (n_res > cap) {
-            cur = nxt[S];
-            while (n_res > cap) {
-                while (cur != S && g.mark[cur] == tag) { // needed by this unit: never evicted
-                    cur = nxt[cur];
-                }
-                if (cur == S) {
-                    break;
-                }
-                const int32_t v = cur;
-                cur = nxt[v];
-                dl_unlink(prv, nxt, v);
-                g.resident[v] = 0;
-                n_res--;
-            }
+        while (n_res > cap && list_evict(&g, prv, nxt, S, tag, &cur)) {
+            n_res--;
         }
         // pass 2: admit the missed entries in order of first appearance
         for (int64_t i = b; i < end && cap > 0; ++i) {
@@ -458,19 +464,9 @@ static int32_t sim_list(int is_lru, int scan_guard, int64_t n_layer, int64_t len
                 continue;
             }
             if (n_res >= cap) {
-                if (cur < 0) {
-                    cur = nxt[S];
-                }
-                while (cur != S && g.mark[cur] == tag) { // needed by this unit: never evicted
-                    cur = nxt[cur];
-                }
-                if (cur == S) {
+                if (!list_evict(&g, prv, nxt, S, tag, &cur)) {
                     continue; // no victim: bypassed, all its lookups in this unit miss
                 }
-                const int32_t v = cur;
-                cur = nxt[v];
-                dl_unlink(prv, nxt, v);
-                g.resident[v] = 0;
                 n_res--;
             }
             g.resident[e] = 1;

@@ -299,6 +299,22 @@ def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndar
             return (freq[e], u * n_entries + e)
         return (-nxt[i], e)
 
+    def pop_victim() -> tuple[int, int, int] | None:
+        # the least current heap item the unit does not need (`need`), popped; None when there is none
+        stash, victim = [], None
+        while heap:
+            a, bb, x = heapq.heappop(heap)
+            if key.get(x) != (a, bb):
+                continue                         # stale
+            if x in need:
+                stash.append((a, bb, x))         # needed by this unit: never evicted
+                continue
+            victim = (a, bb, x)
+            break
+        for s in stash:
+            heapq.heappush(heap, s)
+        return victim
+
     for u in range(len(fls)):
         if fls[u] & _RESET:
             key, heap, freq = {}, [], {}
@@ -313,18 +329,11 @@ def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndar
         # the lend: a unit that wants half of its layer or more holds capacity entries (it first evicts the
         # least recent entries it does not need down to that), the others capacity + lend
         cap = capacity if half else min(capacity + lend, n_entries)
-        if len(key) > cap:
-            stash = []
-            while heap and len(key) > cap:
-                a, bb, x = heapq.heappop(heap)
-                if key.get(x) != (a, bb):
-                    continue                         # stale
-                if x in need:
-                    stash.append((a, bb, x))         # needed by this unit: never evicted
-                    continue
-                del key[x]
-            for s_ in stash:
-                heapq.heappush(heap, s_)
+        while len(key) > cap:
+            victim = pop_victim()
+            if victim is None:
+                break
+            del key[victim[2]]
         for i in range(b, end):
             e = ids[i]
             first = need[e] == i
@@ -341,21 +350,10 @@ def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndar
             if e in key or cap == 0:
                 continue
             if len(key) >= cap:
-                stash, victim = [], None
-                while heap:
-                    a, bb, x = heapq.heappop(heap)
-                    if key.get(x) != (a, bb):
-                        continue                     # stale
-                    if x in need:
-                        stash.append((a, bb, x))     # needed by this unit: never evicted
-                        continue
-                    victim = (a, bb, x)
-                    break
+                victim = pop_victim()
                 if victim is not None and policy == "belady" and nxt[i] >= -victim[0]:
-                    stash.append(victim)             # the incoming entry is needed furthest away
+                    heapq.heappush(heap, victim)     # the incoming entry is needed furthest away
                     victim = None
-                for s in stash:
-                    heapq.heappush(heap, s)
                 if victim is None:
                     continue
                 del key[victim[2]]

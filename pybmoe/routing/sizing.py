@@ -201,6 +201,9 @@ def predict_stream(shape: ModelShape, trace: tr.Trace, budget_mib: float, *, dis
     if step_overhead_ms < 0 or skip < 0 or (tokens is not None and tokens <= skip):
         raise SizingError(f"step_overhead_ms={step_overhead_ms}, tokens={tokens}, skip={skip}; accepted: "
                           "step_overhead_ms >= 0, 0 <= skip < tokens")
+    window = default_window_experts(shape) if window_experts is None else window_experts
+    if window < 0:
+        raise SizingError(f"window_experts={window_experts}; accepted: >= 0 (experts)")
 
     def run(t: tr.Trace, n: int | None):
         if n is not None:  # each workload's first n decode tokens, and nothing before them
@@ -210,10 +213,6 @@ def predict_stream(shape: ModelShape, trace: tr.Trace, budget_mib: float, *, dis
         r = sim.simulate(t, sim.STREAM_POLICY, mib=budget_mib, expert_bytes=shape.expert_bytes, phase="decode",
                          lend_entries=window)
         return r, int(r.summary["tokens"].sum()), int(r.summary["misses"].sum())
-
-    window = default_window_experts(shape) if window_experts is None else window_experts
-    if window < 0:
-        raise SizingError(f"window_experts={window_experts}; accepted: >= 0 (experts)")
 
     r, n_tok, misses = run(trace, tokens)
     hit_rate = r.hit_rate
