@@ -20,7 +20,10 @@ model (3 warm runs without a limit, median, first), and the disk (:func:`pybmoe.
 the model's own file, the tier's lanes, right before each pair of runs, twice: random projections, and
 decode's layer steps of top-k experts, ``top_k``). Adds ``probe_mib_s``, ``probe_steps_mib_s``,
 ``predicted_ts`` and ``predicted_steps_ts`` to the runs, and to the summary their medians and measured /
-predicted per point for each probe (OUT/sweep-confirm-prediction.csv).
+predicted per point for each probe (OUT/sweep-confirm-prediction.csv). With it each tg run gets its limits too
+(:func:`pybmoe.bench.stream.limit_ts`, issue 23's bound): ``resident_ts``, ``limit_ts`` = 1 / (the tier's reads
+per token / the random probe + 1 / resident), ``overlap_limit_ts`` = 1 / max(the same two), and the measured
+tok/s over each (``vs_limit``, ``vs_overlap_limit``), with their medians per point in the prediction CSV.
 
 Usage: tools/bench-stream-confirm.py --out DIR --traces DIR [--settings CSV] [--modes tg,pp] [--predict] A=a.gguf ...
 """
@@ -113,6 +116,11 @@ def main() -> int:
                                                           resident_tok_s=resident[s.model], tokens=a.n_gen + 1, skip=1,
                                                           window_experts=rows[-1]["window_experts"])
                                 rows[-1][col] = p.tok_s
+                            miss, comp = rows[-1]["read_mib_per_token"], 1.0 / resident[s.model]
+                            slim = stream.limit_ts(miss, probe, comp)
+                            olim = stream.limit_ts(miss, probe, comp, overlap=True)
+                            rows[-1].update(resident_ts=resident[s.model], limit_ts=slim, overlap_limit_ts=olim,
+                                            vs_limit=r["avg_ts"] / slim, vs_overlap_limit=r["avg_ts"] / olim)
                         print(f"{s.model} {s.factor:g}x {s.routing} {mode} {pt.name} {rep}: {r['avg_ts']:.2f} tok/s",
                               file=sys.stderr, flush=True)
                 pd.DataFrame(rows).to_csv(a.out / "sweep-confirm.csv", index=False)
@@ -134,7 +142,9 @@ def main() -> int:
         pr = t.groupby(["model", "factor", "routing", "point"], sort=False).agg(
             ts=("ts", "median"), predicted_ts=("predicted_ts", "median"), probe_mib_s=("probe_mib_s", "median"),
             predicted_steps_ts=("predicted_steps_ts", "median"), probe_steps_mib_s=("probe_steps_mib_s", "median"),
-            hit_pct=("hit_pct", "median"), read_mib_per_token=("read_mib_per_token", "median")).reset_index()
+            hit_pct=("hit_pct", "median"), read_mib_per_token=("read_mib_per_token", "median"),
+            limit_ts=("limit_ts", "median"), vs_limit=("vs_limit", "median"),
+            overlap_limit_ts=("overlap_limit_ts", "median"), vs_overlap_limit=("vs_overlap_limit", "median")).reset_index()
         pr["measured_vs_predicted"] = pr.ts / pr.predicted_ts
         pr["measured_vs_predicted_steps"] = pr.ts / pr.predicted_steps_ts
         pr.to_csv(a.out / "sweep-confirm-prediction.csv", index=False)

@@ -32,12 +32,33 @@ Outputs, in the output folder:
 - ``stream-summary.csv``: per point and mode, ``n`` runs, ``median_ts`` / ``min_ts`` /
   ``max_ts`` tok/s, ``ratio`` = ``median_ts`` / the ``mmap`` median of the same mode,
   ``median_hit_pct``, ``median_read_mib_per_token``, ``median_majflt_per_token`` and
-  ``median_io_wait_s``; with a route-replay trace, ``predicted_ts`` on the stream points' decode
+  ``median_io_wait_s``; the disk and the limits (below): ``median_probe_mib_s``,
+  ``compute_s_per_token``, ``median_miss_mib_per_token``, ``median_limit_ts``,
+  ``median_overlap_limit_ts``, ``median_vs_limit`` and ``median_vs_overlap_limit``; with a
+  route-replay trace, ``predicted_ts`` on the stream points' decode
   rows: :func:`pybmoe.routing.sizing.predict_stream` at the point's budget, from the trace, the disk
   bandwidth the stream runs measured (MiB read / io wait) and the resident point's decode.
 - ``stream-tg.png`` and ``stream-pp.png``: tok/s per point (median, min-max bars) with the ratio
   over mmap written on each bar.
 - ``logs/``: each run's stderr.
+
+**The disk and the limit of every point.** Before each repeat the benchmark probes the disk on the
+model's own file (:func:`pybmoe.bench.disk.probe`: ``O_DIRECT`` reads of random expert projections,
+the tier's read size, on its read lanes; the page cache plays no part), so each run carries the probe
+taken just before it (``probe_mib_s``). Each run then gets its limit, the speed it would reach if
+its reads ran at the probe's rate and its compute at the all-resident point's (issue 23's bound):
+
+- ``miss_mib_per_token``: the MiB a token had to read: the tier's reads per token
+  (``stream_read_mib_per_token``) on the stream points, the process's block input per token
+  (``read_mib_per_token``, the load included) on ``mmap`` and ``resident``;
+- ``compute_s_per_token``: 1 / the ``resident`` point's median tok/s of the same mode;
+- ``limit_ts`` = 1 / (miss / probe + compute): the serial limit, reads then compute;
+- ``overlap_limit_ts`` = 1 / max(miss / probe, compute): reads wholly hidden behind compute;
+- ``vs_limit`` and ``vs_overlap_limit``: the measured tok/s over each.
+
+Both are NaN without a ``resident`` point or a probe. The token counts include llama-bench's warm-up
+(one token or one prompt, read from an empty cache), so a short run's misses per token are high and
+its limit low; compare points of one run.
 
 Where cgroups cannot be created (not root, no memory controller) the benchmark says so and runs
 without a limit; where the page cache cannot be dropped it says so and runs warm.
@@ -62,10 +83,12 @@ import pandas as pd
 
 from .. import engine
 from ..engine import memlimit
+from . import disk
 from ..routing import sizing
 from ..routing import trace as tr
 
 MODES = ("pp", "tg")
+STREAM_IO_THREADS = 4  # the engine's read lanes by default (--moe-stream-io-threads)
 
 
 @dataclass(frozen=True)
@@ -200,8 +223,43 @@ class StreamBenchResult:
     notes: list[str]
 
 
+def limit_ts(miss_mib_per_token, probe_mib_s, compute_s_per_token, *, overlap: bool = False):
+    """The limit of a run (module doc), tok/s: 1 / (miss / probe + compute), or with ``overlap``
+    1 / max(miss / probe, compute). Arguments are MiB per token, MiB/s and seconds per token, scalars
+    or arrays; NaN where an input is NaN or a bandwidth is not positive."""
+    miss = np.asarray(miss_mib_per_token, dtype=float)
+    bw = np.asarray(probe_mib_s, dtype=float)
+    compute = np.asarray(compute_s_per_token, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        read = np.where(bw > 0, miss / bw, np.nan)
+        t = np.maximum(read, compute) if overlap else read + compute
+        out = np.where(t > 0, 1.0 / t, np.nan)
+    return float(out) if out.ndim == 0 else out
+
+
+def add_limits(runs: pd.DataFrame) -> pd.DataFrame:
+    """``runs`` with the limit columns of the module doc (``miss_mib_per_token``,
+    ``compute_s_per_token``, ``limit_ts``, ``overlap_limit_ts``, ``vs_limit``, ``vs_overlap_limit``);
+    it needs ``probe_mib_s`` (NaN where the disk was not probed) and a ``resident`` point for the
+    compute (NaN without)."""
+    r = runs.copy()
+    res = r[r.kind == "resident"].groupby("mode")["avg_ts"].median()
+    r["compute_s_per_token"] = [1.0 / res[m] if m in res and res[m] > 0 else np.nan for m in r["mode"]]
+    streamed = r.kind.isin(["stream", "defaults"])
+    tier = pd.to_numeric(r.get("stream_read_mib_per_token"), errors="coerce") if "stream_read_mib_per_token" in r \
+        else pd.Series(np.nan, index=r.index)
+    r["miss_mib_per_token"] = np.where(streamed, tier, r.read_mib_per_token)
+    probe = r["probe_mib_s"] if "probe_mib_s" in r else pd.Series(np.nan, index=r.index)
+    r["limit_ts"] = limit_ts(r.miss_mib_per_token, probe, r.compute_s_per_token)
+    r["overlap_limit_ts"] = limit_ts(r.miss_mib_per_token, probe, r.compute_s_per_token, overlap=True)
+    r["vs_limit"] = r.avg_ts / r.limit_ts
+    r["vs_overlap_limit"] = r.avg_ts / r.overlap_limit_ts
+    return r
+
+
 def summarize(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per point and mode: medians, ranges and the ratio over the mmap median (see the module doc)."""
+    """Per point and mode: medians, ranges, the ratio over the mmap median, and the disk and the limits
+    when ``runs`` has them (:func:`add_limits`; see the module doc)."""
     g = runs.groupby(["point", "mode"], sort=False)
     s = g.agg(n=("avg_ts", "size"), median_ts=("avg_ts", "median"), min_ts=("avg_ts", "min"),
               max_ts=("avg_ts", "max"), median_hit_pct=("stream_hit_pct", "median"),
@@ -211,6 +269,13 @@ def summarize(runs: pd.DataFrame) -> pd.DataFrame:
               median_io_wait_s=("stream_io_wait_s", "median"), median_peak_mib=("peak_mib", "median")).reset_index()
     base = s[s.point == "mmap"].set_index("mode")["median_ts"]
     s["ratio"] = [r.median_ts / base.get(r.mode, np.nan) for r in s.itertuples()]
+    if "limit_ts" in runs:
+        lim = g.agg(median_probe_mib_s=("probe_mib_s", "median"), compute_s_per_token=("compute_s_per_token", "median"),
+                    median_miss_mib_per_token=("miss_mib_per_token", "median"),
+                    median_limit_ts=("limit_ts", "median"), median_overlap_limit_ts=("overlap_limit_ts", "median"),
+                    median_vs_limit=("vs_limit", "median"),
+                    median_vs_overlap_limit=("vs_overlap_limit", "median")).reset_index()
+        s = s.merge(lim, on=["point", "mode"], how="left", sort=False)
     return s
 
 
@@ -274,14 +339,19 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
                  threads: int = 2, ubatch: int = 512, io_threads: int | None = None, floor_mib: int | None = None,
                  route_replay: str | os.PathLike | None = None, include_resident: bool = True, cold: bool = True,
                  dense: Sequence[str] = (), defaults: bool = True, dense_only: bool = False,
-                 n_gen_mmap: int | None = None, progress: Callable[[int], None] | None = None) -> StreamBenchResult:
+                 n_gen_mmap: int | None = None, probe: bool = True, probe_mib: float = 256.0,
+                 progress: Callable[[int], None] | None = None) -> StreamBenchResult:
     """Run the benchmark (see the module doc) and write its CSVs and plots to ``out_dir``.
 
     ``limit_mib``: the memory limit (None: no limit); ``floor_mib``: ``--moe-stream-floor-mb``
     for the ``stream:auto`` points (None: the engine's auto floor); ``io_threads``: read lanes of
     the stream points (None: the engine's default, 4); ``defaults``: include the ``defaults``
     point; ``n_gen_mmap``: the ``mmap`` point's generated tokens, when they should be fewer than the others'
-    (stock mmap thrashes at a rate that does not depend on the token; default ``n_gen``). ``progress`` is
+    (stock mmap thrashes at a rate that does not depend on the token; default ``n_gen``). ``probe``:
+    probe the disk before each repeat, ``probe_mib`` MiB on the tier's lanes (``io_threads``, default
+    4), for the limit columns (module doc); a probe that fails (a file system that refuses
+    ``O_DIRECT`` falls back to buffered reads, see :func:`pybmoe.bench.disk.probe`) leaves a note and
+    NaN. ``progress`` is
     called with 1 after each run. Raises :class:`ValueError` for bad arguments and
     :class:`pybmoe.engine.EngineError` when a run fails.
     """
@@ -293,6 +363,8 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
                         ("floor_mib", 0 if floor_mib is None else floor_mib, 0)):
         if v < lo:
             raise ValueError(f"{name} {v}; accepted: >= {lo}")
+    if probe and not probe_mib > 0:
+        raise ValueError(f"probe_mib {probe_mib}; accepted: > 0 (MiB)")
     pts = points(budgets, include_resident, dense, defaults, dense_only)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -314,6 +386,7 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
     rows = []
     try:
         for rep in range(repeats):
+            bw = _probe(model, io_threads, probe_mib, rep, notes) if probe else np.nan
             order = pts if rep % 2 == 0 else pts[::-1]
             for pt in order:
                 for mode in MODES:
@@ -322,14 +395,14 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
                                     n_prompt=n_prompt, n_gen=n_gen_mmap if pt.kind == "mmap" and n_gen_mmap else n_gen,
                                     threads=threads, ubatch=ubatch,
                                     io_threads=io_threads, floor_mib=floor_mib, route_replay=rp)
-                    row.update(repeat=rep, limit_mib=limit_mib if pt.limited else None)
+                    row.update(repeat=rep, limit_mib=limit_mib if pt.limited else None, probe_mib_s=bw)
                     rows.append(row)
                     if progress:
                         progress(1)
     finally:
         if limit is not None:
             limit.close()
-    runs = pd.DataFrame(rows)
+    runs = add_limits(pd.DataFrame(rows))
     runs.to_csv(out / "stream-runs.csv", index=False)
     summary = summarize(runs)
     if rp is not None:
@@ -340,8 +413,22 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
     return StreamBenchResult(runs, summary, out, limit_mib, notes)
 
 
+def _probe(model: Path, io_threads: int | None, total_mib: float, seed: int, notes: list[str]) -> float:
+    """One disk probe for a repeat (module doc): MiB/s, or NaN with a note when it fails."""
+    try:
+        p = disk.probe(model, lanes=io_threads or STREAM_IO_THREADS, total_mib=total_mib, seed=seed)
+    except OSError as e:
+        note = f"the disk probe failed ({e}); no limits"
+        if note not in notes:
+            notes.append(note)
+            print(f"pybmoe bench-stream: {note}", file=sys.stderr)
+        return math.nan
+    return p.mib_s
+
+
 def format_summary(summary: pd.DataFrame) -> str:
     """The summary as a fixed-width table (tok/s, ratio, hit %, MiB and faults per token)."""
     cols = ["point", "mode", "n", "median_ts", "ratio", "median_hit_pct", "median_read_mib_per_token",
-            "median_majflt_per_token", "median_io_wait_s", "median_peak_mib", "predicted_ts"]
+            "median_majflt_per_token", "median_io_wait_s", "median_peak_mib", "median_probe_mib_s",
+            "median_limit_ts", "median_vs_limit", "median_overlap_limit_ts", "median_vs_overlap_limit", "predicted_ts"]
     return summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.2f}")

@@ -35,7 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "at its defaults (--moe-stream-cache-mb auto and nothing else) and at each budget, and every expert resident (no limit, warm). pp and tg "
                     "are separate llama-bench runs from a cold page cache, interleaved over repeats; writes "
                     "DIR/stream-runs.csv, DIR/stream-summary.csv and DIR/stream-{pp,tg}.png (medians, ratios "
-                    "over mmap, hit %, MiB read and major faults per token, io wait).")
+                    "over mmap, hit %, MiB read and major faults per token, io wait, and each point's limit: its reads at the "
+                    "disk probe's rate plus the resident point's compute, and the measured speed as a fraction of it).")
     ap.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
     ap.add_argument("--out", type=Path, required=True, help="output folder")
     ap.add_argument("--limit-mb", type=int, default=None,
@@ -60,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                "and nothing else)")
     ap.add_argument("--no-resident", action="store_true", help="skip the all-resident ceiling")
     ap.add_argument("--warm", action="store_true", help="do not drop the page cache before each run")
+    ap.add_argument("--no-probe", action="store_true", help="do not probe the disk before each repeat (no limits)")
     a = ap.parse_args(argv)
     from tqdm import tqdm
     try:
@@ -72,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       n_gen=a.n_gen, repeats=a.repeats, threads=a.threads, ubatch=a.ubatch,
                                       io_threads=a.io_threads, floor_mib=a.floor_mb, route_replay=a.route_replay,
                                       include_resident=not a.no_resident, cold=not a.warm, dense=dense,
-                                      defaults=not a.no_defaults,
+                                      defaults=not a.no_defaults, probe=not a.no_probe,
                                       progress=bar.update)
     except (ValueError, FileNotFoundError) as e:
         print(f"pybmoe bench-stream: error: {e}", file=sys.stderr)

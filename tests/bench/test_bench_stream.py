@@ -61,12 +61,50 @@ def test_the_limit_held_or_the_reason_is_given(result):
         assert result.limit_mib is None and any(why in n for n in result.notes)
 
 
+def test_each_repeat_probes_the_disk_and_every_point_gets_its_limit(result):
+    """Issue 23's bound on every point: the repeat's disk probe (the model's own file, O_DIRECT, the
+    tier's lanes), the resident point's compute per token, and the run's reads per token; by hand
+    from the run's own columns."""
+    r = result.runs
+    assert (r.probe_mib_s > 0).all()
+    assert (r.groupby("repeat").probe_mib_s.nunique() == 1).all()  # one probe per repeat, before its runs
+    res = r[r.kind == "resident"].groupby("mode").avg_ts.median()
+    for row in r.itertuples():
+        compute = 1.0 / res[row.mode]
+        miss = row.stream_read_mib_per_token if row.kind in ("stream", "defaults") else row.read_mib_per_token
+        assert row.compute_s_per_token == pytest.approx(compute)
+        assert row.miss_mib_per_token == pytest.approx(miss)
+        assert row.limit_ts == pytest.approx(1.0 / (miss / row.probe_mib_s + compute))
+        assert row.overlap_limit_ts == pytest.approx(1.0 / max(miss / row.probe_mib_s, compute))
+        assert row.vs_limit == pytest.approx(row.avg_ts / row.limit_ts)
+        assert row.overlap_limit_ts >= row.limit_ts
+    s = result.summary
+    assert s.median_vs_limit.notna().all() and s.median_probe_mib_s.notna().all()
+    d = s[(s.point == "defaults") & (s["mode"] == "tg")].iloc[0]
+    runs = r[(r.point == "defaults") & (r["mode"] == "tg")]
+    assert d.median_vs_overlap_limit == pytest.approx(runs.vs_overlap_limit.median())
+    assert "median_vs_limit" in stream.format_summary(s)
+
+
+def test_the_limit_by_hand():
+    """100 MiB a token at 1000 MiB/s and 0.05 s of compute: 1 / 0.15 s serially, 1 / 0.1 s overlapped;
+    a probe that failed (NaN) or read nothing gives no limit; arrays go element by element."""
+    assert stream.limit_ts(100, 1000, 0.05) == pytest.approx(1 / 0.15)
+    assert stream.limit_ts(100, 1000, 0.05, overlap=True) == pytest.approx(10.0)
+    assert stream.limit_ts(0, 1000, 0.05, overlap=True) == pytest.approx(20.0)
+    assert np.isnan(stream.limit_ts(100, np.nan, 0.05)) and np.isnan(stream.limit_ts(100, 0, 0.05))
+    got = stream.limit_ts(np.array([10.0, 200.0]), np.array([100.0, 1000.0]), np.array([0.5, 0.1]), overlap=True)
+    assert got == pytest.approx([1 / 0.5, 1 / 0.2])
+
+
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
     model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
     assert cli.main(["-m", str(model), "--out", str(tmp_path), "--budgets", "lots"]) == 2
     assert "budget 'lots'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="repeats 0"):
         stream.bench_stream(model, tmp_path, limit_mib=None, repeats=0)
+    with pytest.raises(ValueError, match="probe_mib 0"):
+        stream.bench_stream(model, tmp_path, limit_mib=None, probe_mib=0)
     assert not (tmp_path / "stream-runs.csv").exists()
 
 
