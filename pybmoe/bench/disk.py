@@ -26,6 +26,14 @@ random probe (638-1720 against 637-3687 MiB/s over one 18-setting run) but no cl
 rate, which swings by up to 3x between two runs of the same reads: the prediction was within 20 % at
 15 of 36 points with it, 19 of 36 with the random probe, which stays the prediction's default.
 
+``layout="record"`` (with ``top_k``) reads the same steps as one record per expert instead: the
+expert's projections back to back (gate, up, down: the bytes of the three), the records of a layer in
+expert order from the layer's first expert tensor on, consecutive experts merged into one read. That
+is the sidecar layout of issue 23 ("read shape"), emulated on the GGUF's own bytes (the disk does not
+care what the bytes are): each step reads exactly the bytes it reads in ``gguf`` layout, in one read
+per run of experts instead of one per projection. ``docs/stream-tier.md``, "Read shape", has the
+measurement.
+
 Errors: :class:`ValueError` for a file without expert tensors or bad arguments; :class:`OSError` when
 the file cannot be opened (with O_DIRECT: a file system that refuses it says so).
 """
@@ -59,6 +67,7 @@ class DiskProbe:
     direct: bool
     fresh: bool = False
     top_k: int | None = None  # decode's layer steps of top_k experts (read_bytes: the largest read), or random
+    layout: str = "gguf"  # with top_k: "gguf" (one read per projection and run) or "record" (one per run)
 
 
 def _expert_tensors(model: str | os.PathLike) -> list[tuple[int, int, int, int]]:
@@ -124,14 +133,31 @@ def step_reads(tensors: list[tuple[int, int, int]], experts: np.ndarray) -> list
     return out
 
 
-def _probe_steps(model, lanes: int, total_mib: float, seed: int, top_k: int) -> DiskProbe:
+def record_reads(tensors: list[tuple[int, int, int]], experts: np.ndarray) -> list[tuple[int, int]]:
+    """One layer step's reads (aligned offset, aligned length) in the record layout (module doc): expert
+    ``e``'s record of ``sum(per)`` bytes at the layer's first tensor offset + ``e * sum(per)``, one read
+    per run of consecutive ids among ``experts`` (sorted)."""
+    base, rec = min(off for off, _, _ in tensors), sum(per for _, per, _ in tensors)
+    out = []
+    i = 0
+    while i < len(experts):
+        j = i + 1
+        while j < len(experts) and experts[j] == experts[j - 1] + 1:
+            j += 1
+        out.append(_window(base + int(experts[i]) * rec, base + (int(experts[j - 1]) + 1) * rec))
+        i = j
+    return out
+
+
+def _probe_steps(model, lanes: int, total_mib: float, seed: int, top_k: int, layout: str = "gguf") -> DiskProbe:
     layers = expert_layers(model)
+    shape = step_reads if layout == "gguf" else record_reads
     rng = np.random.default_rng(seed)
     ids = list(layers)
     steps, n_bytes, biggest = [], 0, 0
     while n_bytes < total_mib * MIB:  # tokens: the layers in order, as decode steps through them
         ts = layers[ids[len(steps) % len(ids)]]
-        reads = step_reads(ts, np.sort(rng.choice(ts[0][2], size=min(top_k, ts[0][2]), replace=False)))
+        reads = shape(ts, np.sort(rng.choice(ts[0][2], size=min(top_k, ts[0][2]), replace=False)))
         steps.append(reads)
         n_bytes += sum(n for _, n in reads)
         biggest = max(biggest, *(n for _, n in reads))
@@ -153,21 +179,25 @@ def _probe_steps(model, lanes: int, total_mib: float, seed: int, top_k: int) -> 
             dt = time.perf_counter() - t0
     finally:
         os.close(fd)
-    return DiskProbe(total / MIB / dt, biggest, lanes, sum(len(r) for r in steps), dt, direct, False, top_k)
+    return DiskProbe(total / MIB / dt, biggest, lanes, sum(len(r) for r in steps), dt, direct, False, top_k, layout)
 
 
 def probe(model: str | os.PathLike, *, lanes: int = 4, total_mib: float = 256.0, seed: int = 0,
-          fresh: bool = False, top_k: int | None = None) -> DiskProbe:
+          fresh: bool = False, top_k: int | None = None, layout: str = "gguf") -> DiskProbe:
     """Reads about ``total_mib`` MiB of distinct random expert projections of ``model`` as the stream
     tier does (module doc) and returns the bandwidth; with ``top_k``, in decode's layer steps of
-    ``top_k`` experts each instead (module doc; ``fresh`` does not apply). Raises :class:`ValueError`
-    for ``lanes`` outside 1 .. 64, ``total_mib`` <= 0, ``top_k`` < 1, ``fresh`` with ``top_k``, or a
-    file without expert tensors."""
-    if not 1 <= lanes <= 64 or not total_mib > 0 or (top_k is not None and (top_k < 1 or fresh)):
-        raise ValueError(f"lanes={lanes}, total_mib={total_mib}, top_k={top_k}, fresh={fresh}; accepted: lanes "
-                         "1 .. 64, total_mib > 0, top_k None or >= 1 and not with fresh")
+    ``top_k`` experts each instead (module doc; ``fresh`` does not apply), in the GGUF's layout or,
+    with ``layout="record"``, one record per expert (module doc; the same seed reads the same experts
+    either way). Raises :class:`ValueError` for ``lanes`` outside 1 .. 64, ``total_mib`` <= 0,
+    ``top_k`` < 1, ``fresh`` with ``top_k``, a ``layout`` other than gguf or record (record only with
+    ``top_k``), or a file without expert tensors."""
+    if (not 1 <= lanes <= 64 or not total_mib > 0 or (top_k is not None and (top_k < 1 or fresh))
+            or layout not in ("gguf", "record") or (layout == "record" and top_k is None)):
+        raise ValueError(f"lanes={lanes}, total_mib={total_mib}, top_k={top_k}, fresh={fresh}, layout={layout!r}; "
+                         "accepted: lanes 1 .. 64, total_mib > 0, top_k None or >= 1 and not with fresh, layout "
+                         "gguf or record (record with top_k)")
     if top_k is not None:
-        return _probe_steps(model, lanes, total_mib, seed, top_k)
+        return _probe_steps(model, lanes, total_mib, seed, top_k, layout)
     windows, size = expert_windows(model)
     rng = np.random.default_rng(seed)
     n = min(len(windows), max(lanes, int(total_mib * MIB / size)))
