@@ -11,6 +11,7 @@
 #include "llama-batch.h"
 #include "llama-model-loader.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -45,7 +46,11 @@ void llama_moe_cache_on_context_init(const llama_model & model, const void * ctx
     // auto may resize: not while another context's graph reads the entries (that context's turn ends first)
     std::lock_guard<std::mutex> turn(mc->graph_mutex);
     std::lock_guard<std::mutex> lock(mc->mutex);
-    mc->stream.on_context(ctx, (int64_t) (kv + compute + output), (int64_t) kv, (int64_t) compute, (int64_t) output);
+    // the context's compute threads (decode and batch), for the overlap's auto rule
+    auto * lctx = (llama_context *) const_cast<void *>(ctx);
+    const int32_t n_threads = std::max(llama_n_threads(lctx), llama_n_threads_batch(lctx));
+    mc->stream.on_context(ctx, (int64_t) (kv + compute + output), (int64_t) kv, (int64_t) compute, (int64_t) output,
+                          n_threads);
 }
 
 void llama_moe_cache_on_context_free(const llama_model & model, const void * ctx) {

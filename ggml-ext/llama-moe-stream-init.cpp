@@ -20,12 +20,26 @@
 #include <cstring>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #if !defined(_WIN32)
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
+#include <sched.h>
 #endif
+
+// the CPUs this process may run on (its affinity mask; a container's CPU quota is not counted), >= 1
+static int32_t llama_moe_online_cpus() {
+#if defined(__linux__)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+        return CPU_COUNT(&set);
+    }
+#endif
+    return (int32_t) std::max(1u, std::thread::hardware_concurrency());
+}
 
 // CPU buffers whose bytes are the GGUF's (a repacked layout is not)
 static bool llama_moe_buft_holds_gguf_layout(ggml_backend_buffer_type_t buft) {
@@ -369,14 +383,24 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                     __func__, why.c_str());
         }
     }
-    // reads behind compute (llama-moe-inflight.h), asked for with PYBMOE_MOE_STREAM_OVERLAP=1: the layer's
-    // MUL_MAT_IDs wait for each expert's bytes. Off by default: on this project's 2-core machine, with 2
-    // compute threads, decode was at parity or slower (the lanes wait for a core; docs/stream-tier.md)
+    // reads behind compute (llama-moe-inflight.h): the layer's MUL_MAT_IDs wait for each expert's bytes.
+    // PYBMOE_MOE_STREAM_OVERLAP=1 on, 0 off, unset or auto: on while the contexts' compute threads leave a
+    // CPU to the read lanes (llama_moe_stream::update_overlap). With every core computing it did not pay
+    // (2 cores, -t 2: parity or slower); with a core left it did (-t 1: +21 % at A, +29 % at B, parity at
+    // C against -t 1 blocking; docs/stream-tier.md, "Reads behind compute")
     {
         const char * ov_env = getenv("PYBMOE_MOE_STREAM_OVERLAP");
-        const bool   ov_on  = ov_env && atoi(ov_env) != 0;
-        st.overlap = ov_on && llama_moe_inflight::install();
-        if (st.overlap) { // the flags and the hook's map, only when asked for
+        const bool   ov_set = ov_env && ov_env[0] != '\0' && strcmp(ov_env, "auto") != 0;
+        if (ov_set && strcmp(ov_env, "0") != 0 && strcmp(ov_env, "1") != 0) {
+            LLAMA_LOG_WARN("%s: moe-stream: WARNING PYBMOE_MOE_STREAM_OVERLAP=%s; accepted: 0, 1 or auto; using auto\n",
+                    __func__, ov_env);
+        }
+        const bool ov_off  = ov_set && strcmp(ov_env, "0") == 0;
+        const bool ov_on   = ov_set && strcmp(ov_env, "1") == 0;
+        st.overlap_auto    = !ov_off && !ov_on;
+        st.n_cpus          = llama_moe_online_cpus();
+        st.overlap = !ov_off && llama_moe_inflight::install();
+        if (st.overlap) { // the flags and the hook's map, only when it may go on
             st.inflight.init((int64_t) n_expert * (int64_t) st.layers.size(), LLAMA_MOE_N_PROJ);
             for (const auto & l : st.layers) {
                 for (int p = 0; p < l.n_proj; ++p) {
@@ -384,7 +408,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                 }
             }
         }
-        if (st.overlap) {
+        if (st.overlap && !st.overlap_auto) {
             LLAMA_LOG("%s: moe-stream: reads behind compute (PYBMOE_MOE_STREAM_OVERLAP=1): a decode step's misses are read "
                     "while the layer computes, each expert waited for by the MUL_MAT_ID that needs it\n", __func__);
         } else if (ov_on) {
@@ -424,9 +448,10 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             st.reader.direct ? "O_DIRECT" : "buffered");
     // the preamble: one line, key=value (pybmoe.engine parses it)
     LLAMA_LOG("moe-stream-preamble: layers=%zu n_expert=%d top_k=%d budget_mb=%.2f cache_cycle_mb=%.2f layer_demand_mb=%.2f "
-            "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f prefetch_experts=%lld overlap=%d\n", st.layers.size(), n_expert,
+            "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f prefetch_experts=%lld overlap=%s\n", st.layers.size(), n_expert,
             n_used, budget / mib, cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib,
-            st.reader.direct ? 1 : 0, st.reader.n_lanes, entry / mib, (long long) prefetch, st.overlap ? 1 : 0);
+            st.reader.direct ? 1 : 0, st.reader.n_lanes, entry / mib, (long long) prefetch,
+            !st.overlap ? "0" : st.overlap_auto ? "auto" : "1");
     st.check_fit(); // a fixed budget that does not fit even before the contexts: one WARN now
     if ((double) budget < cycle) {
         // the cliff guard (the BigMoeOnEdge seed): state the fact, once, at load

@@ -256,7 +256,7 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     // the layer's MUL_MAT_IDs wait for each expert's bytes there (llama-moe-inflight.h). Decode steps only:
     // a prefill step's compute takes every core the lanes need (2 cores, 2 threads: prefill 11-13 % slower
     // with it at C and B, docs/stream-tier.md, "Reads behind compute"), and the prefetch already overlaps it
-    const bool async = overlap && !lru.wants_half();
+    const bool async = overlap_now() && !lru.wants_half();
     std::vector<llama_moe_read> jobs = read_jobs(l, experts, nbytes, /*track =*/ async);
 
     // a prefill step (it wanted half of its layer or more, as the LRU counted it; it blocks, so `async` is
@@ -506,9 +506,34 @@ void llama_moe_stream::check_fit() {
             avail_bytes / mib, limit_bytes / mib, fits / mib);
 }
 
-void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output) {
+void llama_moe_stream::update_overlap() {
+    if (!overlap || !overlap_auto) {
+        return;
+    }
+    int32_t most = 0;
+    for (const auto & [c, t] : context_threads) {
+        most = std::max(most, t);
+    }
+    const bool spare = !context_threads.empty() && most < n_cpus;
+    if (!context_threads.empty() && (int) spare != overlap_said) {
+        overlap_said = spare ? 1 : 0;
+        if (spare) {
+            LLAMA_LOG("llama_moe_stream: moe-stream: reads behind compute: on (auto): %d compute thread(s) of %d CPUs "
+                    "leave the read lanes a core; a decode step's misses are read while the layer computes\n", most, n_cpus);
+        } else {
+            LLAMA_LOG("llama_moe_stream: moe-stream: reads behind compute: off (auto): %d compute thread(s) take all %d "
+                    "CPUs, and the read lanes would wait for one (PYBMOE_MOE_STREAM_OVERLAP=1 forces it)\n", most, n_cpus);
+        }
+    }
+    overlap_spare = spare;
+}
+
+void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output,
+                                  int32_t n_threads) {
     const double mib = 1024.0 * 1024.0;
     contexts[ctx] = host_bytes;
+    context_threads[ctx] = std::max<int32_t>(1, n_threads);
+    update_overlap();
     if (!is_auto) {
         check_fit();
         return;
@@ -532,6 +557,8 @@ void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t 
 }
 
 void llama_moe_stream::on_context_free(const void * ctx) {
+    context_threads.erase(ctx);
+    update_overlap();
     if (contexts.erase(ctx) == 0 || !is_auto) {
         return;
     }

@@ -111,8 +111,10 @@ struct llama_moe_stream {
     // a context was created (its host memory: KV cache, compute and output buffers) or freed. auto sets
     // it aside: the budget shrinks (evicting at once) or grows back, never below the mechanical minimum
     // (a WARN says so); a fixed budget that no longer fits beside it gets one WARN with the arithmetic.
-    // Called with no graph in flight.
-    void on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output);
+    // Called with no graph in flight. n_threads: the context's compute threads (the larger of its decode
+    // and batch counts), for the overlap's auto rule (below)
+    void on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output,
+                    int32_t n_threads);
     void on_context_free(const void * ctx);
 
     // auto's budget beside the live contexts, bytes (may be under the minimum)
@@ -197,14 +199,31 @@ struct llama_moe_stream {
     std::vector<llama_moe_read> read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
                                           size_t & nbytes, bool track);
 
-    // Reads behind compute (PYBMOE_MOE_STREAM_OVERLAP=1; decode steps, those that want less than half of
-    // their layer): a step submits its reads and returns; the layer's MUL_MAT_IDs wait for each expert's
-    // bytes (patch 0033's hook), so the hits and the misses already read compute while the rest are read.
-    // The bytes each expert's rows read, and so the output, are those of a blocking step. Off (the
-    // default: no gain with every core computing, docs/stream-tier.md), a prefill step, or a CPU backend
-    // without the hook: the step reads every miss before the layer computes
-    bool               overlap = false;
+    // Reads behind compute (decode steps, those that want less than half of their layer): a step submits
+    // its reads and returns; the layer's MUL_MAT_IDs wait for each expert's bytes (patch 0033's hook), so
+    // the hits and the misses already read compute while the rest are read. The bytes each expert's rows
+    // read, and so the output, are those of a blocking step. Off (no gain with every core computing,
+    // docs/stream-tier.md), a prefill step, or a CPU backend without the hook: the step reads every miss
+    // before the layer computes.
+    // PYBMOE_MOE_STREAM_OVERLAP unset (or auto): on while every live context's compute threads leave at
+    // least one of the process's CPUs to the read lanes (n_cpus: its affinity mask), off otherwise;
+    // 1: always on; 0: off. `overlap`: the flags and the hook are set up (1 or auto); `overlap_auto`: the
+    // auto rule decides; `overlap_spare`: its answer for the live contexts
+    bool               overlap       = false;
+    bool               overlap_auto  = false;
+    bool               overlap_spare = false;
+    int                overlap_said  = -1;    // the auto rule's answer its last line gave (-1: none yet)
+    int32_t            n_cpus        = 1;
+    std::map<const void *, int32_t> context_threads; // live contexts -> their compute threads
     llama_moe_inflight inflight;
+
+    // whether this step may go behind compute (before the step's own decode/prefill test)
+    bool overlap_now() const {
+        return overlap && (!overlap_auto || overlap_spare);
+    }
+
+    // the auto rule again, after a context came or went; one line when its answer changes
+    void update_overlap();
 
     uint32_t n_graph_nodes() const {
         return (uint32_t) layers.size();

@@ -169,7 +169,8 @@ def parse_stream_preamble(log: str) -> dict | None:
     budget_mb, cache_cycle_mb (every streamed layer's top-k experts), layer_demand_mb (one layer's
     top-k experts), min_mb (the most one layer step needs at the ubatch), entry_mb (one expert of
     one layer), all MiB; prefetch_experts (the prefetch window, which decode holds beside the
-    budget: experts).
+    budget: experts); overlap (reads behind compute: 0 off, 1 on, ``"auto"`` on while the
+    contexts' compute threads leave a CPU to the read lanes).
     """
     m = _STREAM_PREAMBLE.search(log)
     if not m:
@@ -177,7 +178,10 @@ def parse_stream_preamble(log: str) -> dict | None:
     rec: dict = {}
     for kv in m.group(1).split():
         k, _, v = kv.partition("=")
-        rec[k] = float(v) if "." in v else int(v)
+        try:
+            rec[k] = float(v) if "." in v else int(v)
+        except ValueError:
+            rec[k] = v  # a word: overlap=auto
     return rec
 
 

@@ -238,22 +238,52 @@ def test_a_model_without_moe_layers_is_inert_with_one_warn_line(tmp_path):
 @pytest.mark.parametrize("ub", [1, 32])
 def test_reads_behind_compute_change_no_logit_and_no_hit(arch_model, ub, tmp_path):
     """With PYBMOE_MOE_STREAM_OVERLAP=1 a decode step submits its reads and the layer's MUL_MAT_IDs wait
-    for each expert's bytes (patch 0033's hook; one line says so, the preamble says overlap=1); by
-    default every miss is read first (overlap=0, no line). Both are bit-identical to all-resident, with
-    the same hits per layer, at the mechanical minimum (many misses per step; at ubatch 32 the prompt's
-    steps want half of the layer and block, its decode steps do not)."""
+    for each expert's bytes (patch 0033's hook; one line says so, the preamble says overlap=1); with 0
+    every miss is read first (overlap=0, no line). Both are bit-identical to all-resident, with the same
+    hits per layer, at the mechanical minimum (many misses per step; at ubatch 32 the prompt's steps want
+    half of the layer and block, its decode steps do not)."""
     import os
     base = run(arch_model, tmp_path, ub, [], "ov-base")
     mib = budgets(arch_model, ub)["min"]
     on = run(arch_model, tmp_path, ub, ["--moe-stream-cache-mb", str(mib)], f"ov-on-{ub}",
              env={**os.environ, "PYBMOE_MOE_STREAM_OVERLAP": "1"})
     off = run(arch_model, tmp_path, ub, ["--moe-stream-cache-mb", str(mib)], f"ov-off-{ub}",
-              env={k: v for k, v in os.environ.items() if k != "PYBMOE_MOE_STREAM_OVERLAP"})
+              env={**os.environ, "PYBMOE_MOE_STREAM_OVERLAP": "0"})
     assert re.search(r"overlap=1$", on.log, re.M) and re.search(r"overlap=0$", off.log, re.M)
     assert on.log.count("reads behind compute (PYBMOE_MOE_STREAM_OVERLAP=1)") == 1
     assert "reads behind compute" not in off.log and "no MUL_MAT_ID wait hook" not in on.log
     assert on.logits == base.logits and off.logits == base.logits and on.tokens == base.tokens
     assert on.stream_layers == off.stream_layers and sum(m for _, m in on.stream_layers.values()) > 0
+
+
+def test_reads_go_behind_compute_by_default_when_the_threads_leave_a_cpu(tmp_path):
+    """PYBMOE_MOE_STREAM_OVERLAP unset (the default, overlap=auto in the preamble): with fewer compute
+    threads than the process's CPUs a decode step's reads go behind compute, and one line says so; with
+    as many, they do not, and one line says why. Either way the logits and the hits are those of an
+    all-resident run and of a forced-off run."""
+    import os
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+    n_cpus = len(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k != "PYBMOE_MOE_STREAM_OVERLAP"}
+    mib = budgets(model, 1)["min"]
+    flags = ["--moe-stream-cache-mb", str(mib)]
+    for t in sorted({n_cpus, 1}, reverse=True):  # every core computing; one compute thread (a spare CPU)
+        threads = ["-t", str(t), "-tb", str(t)]
+        base = run(model, tmp_path, 1, threads, f"auto-base-{t}")
+        off = run(model, tmp_path, 1, flags + threads, f"auto-off-{t}", env={**env, "PYBMOE_MOE_STREAM_OVERLAP": "0"})
+        got = run(model, tmp_path, 1, flags + threads, f"auto-{t}", env=env)
+        assert re.search(r"overlap=auto$", got.log, re.M)
+        if t == n_cpus:
+            assert f"reads behind compute: off (auto): {t} compute thread(s) take all {n_cpus} CPUs" in got.log
+            assert "reads behind compute: on" not in got.log
+        else:
+            assert f"reads behind compute: on (auto): {t} compute thread(s) of {n_cpus} CPUs" in got.log
+        assert got.logits == base.logits == off.logits and got.tokens == base.tokens
+        assert got.stream_layers == off.stream_layers and sum(m for _, m in got.stream_layers.values()) > 0
+    # a value the variable does not take says so and falls back to auto
+    bad = run(model, tmp_path, 1, flags, "auto-bad", env={**env, "PYBMOE_MOE_STREAM_OVERLAP": "yes"})
+    assert "PYBMOE_MOE_STREAM_OVERLAP=yes; accepted: 0, 1 or auto; using auto" in bad.log
+    assert re.search(r"overlap=auto$", bad.log, re.M)
 
 
 @pytest.mark.parametrize("overlap", ["1", "0"])

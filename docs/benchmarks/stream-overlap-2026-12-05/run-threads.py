@@ -1,10 +1,15 @@
-"""Decode at the defaults with reads behind compute, by compute threads: ``-t 2`` blocking
-(``PYBMOE_MOE_STREAM_OVERLAP=0``), ``-t 2`` with reads behind compute (the default), ``-t 1`` with them
-(a core left to the read lanes). llama-bench -n 32, cold, under a sweep setting's limit, rotating rounds.
+"""Decode at the defaults with reads behind compute, by compute threads: ``-t 2`` or ``-t 1``, each blocking
+(``PYBMOE_MOE_STREAM_OVERLAP=0``) or with reads behind compute (``=1``; ``-t 1`` leaves a core to the read
+lanes). llama-bench -n 32, cold, under a sweep setting's limit, rotating rounds.
 
-    run-threads.py ROUNDS OUT.csv NAME=MODEL.gguf:FACTOR:TRACE ...
+    run-threads.py ROUNDS OUT.csv [--configs LABEL,...] NAME=MODEL.gguf:FACTOR:TRACE ...
 
-The run kept here:
+Logs go to OUT's folder, ``<OUT stem>-logs/`` (``threads.csv``'s, from before that rule, are in ``logs/``).
+``--configs`` picks among t2-blocking, t2-overlap, t1-overlap and t1-blocking (default the first three).
+
+The runs kept here:
+    ... 3 t1-blocking.csv --configs t1-blocking,t1-overlap,t2-blocking C=C-L16-E256-K8-q4_k.gguf:3:granite-C.csv
+        A=A-L24-E128-K8-q4_0.gguf:3:granite-A.csv B=B-L24-E64-K4-q8_0.gguf:3:uniform-B.csv
     ... 2 threads.csv C=C-L16-E256-K8-q4_k.gguf:3:granite-C.csv A=A-L24-E128-K8-q4_0.gguf:3:granite-A.csv
         B=B-L24-E64-K4-q8_0.gguf:3:uniform-B.csv
 """
@@ -18,9 +23,14 @@ from pybmoe.bench import stream
 from pybmoe.engine import memlimit
 
 rounds, out = int(sys.argv[1]), Path(sys.argv[2])
-configs = [("t2-blocking", 2, "0"), ("t2-overlap", 2, "1"), ("t1-overlap", 1, "1")]
+known = {"t2-blocking": 2, "t2-overlap": 2, "t1-overlap": 1, "t1-blocking": 1}
+args = sys.argv[3:]
+labels = ["t2-blocking", "t2-overlap", "t1-overlap"]
+if args[:1] == ["--configs"]:
+    labels, args = args[1].split(","), args[2:]
+configs = [(lab, known[lab], "1" if lab.endswith("overlap") else "0") for lab in labels]
 rows = []
-for spec in sys.argv[3:]:
+for spec in args:
     name, _, rest = spec.partition("=")
     model, factor, trace = rest.rsplit(":", 2)
     model, trace = Path(model), Path(trace)
@@ -31,7 +41,7 @@ for spec in sys.argv[3:]:
             k = rep % len(configs)
             for label, threads, ov in configs[k:] + configs[:k]:
                 os.environ["PYBMOE_MOE_STREAM_OVERLAP"] = ov
-                log = out.parent / "logs" / f"{name}-{factor}x-{routing}-tg-{label}-{rep}.log"
+                log = out.parent / f"{out.stem}-logs" / f"{name}-{factor}x-{routing}-tg-{label}-{rep}.log"
                 r = stream.run_point(model, stream.StreamPoint("defaults", "auto"), "tg", limit=lim, cold=True,
                                      log_path=log, n_prompt=1, n_gen=32, threads=threads, ubatch=512, io_threads=None,
                                      floor_mib=None, route_replay=trace)
