@@ -16,6 +16,13 @@ Writes OUT/prefill-runs.csv (one row per run), OUT/prefill-summary.csv (per sett
 median tok/s, min and max, and defaults / mmap, defaults / plain LRU), OUT/prefill.png and the runs'
 logs (OUT/logs/).
 
+``--limits``: each run's limit too (:func:`pybmoe.bench.stream.limit_ts`, issue 23's bound): each
+model's all-resident prefill first (3 warm runs without a limit, median), the disk probed before each
+round (:func:`pybmoe.bench.disk.probe`, random projections, 4 lanes), and per run ``probe_mib_s``,
+``miss_mib_per_token`` (the tier's reads per token; mmap's block input per token, the load included),
+``limit_ts``, ``overlap_limit_ts``, ``vs_limit`` and ``vs_overlap_limit``; the summary adds the
+defaults' medians of the last four.
+
 Usage: tools/bench-stream-prefill.py --out DIR --traces DIR [--factors 2,3,5] [--routings uniform,granite]
        [--repeats 3] [-p 32] A=a.gguf B=b.gguf ...
 """
@@ -28,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pybmoe.bench import stream
+from pybmoe.bench import disk, stream
 from pybmoe.engine import memlimit
 
 MIB = 2**20
@@ -43,6 +50,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("-p", "--n-prompt", type=int, default=32, help="prompt tokens (default 32, the sweep's)")
     ap.add_argument("--no-plain", action="store_true", help="leave out the plain-LRU point")
+    ap.add_argument("--limits", action="store_true", help="each run's limit (see above)")
     ap.add_argument("models", nargs="+", help="NAME=MODEL.gguf")
     a = ap.parse_args()
     try:
@@ -64,6 +72,15 @@ def main() -> int:
     if not a.no_plain:
         pts.append(stream.StreamPoint("defaults", "auto", policy="global-lru"))
     a.out.mkdir(parents=True, exist_ok=True)
+    resident = {}
+    if a.limits:
+        for name, model in models.items():
+            ts = [stream.run_point(model, stream.StreamPoint("resident"), "pp", limit=None, cold=False,
+                                   log_path=a.out / "logs" / f"{name}-resident-{i}.log", n_prompt=a.n_prompt, n_gen=0,
+                                   threads=2, ubatch=512, io_threads=None, floor_mib=None, route_replay=None)["avg_ts"]
+                  for i in range(3)]
+            resident[name] = float(np.median(ts))
+            print(f"{name} resident pp{a.n_prompt}: {resident[name]:.2f} tok/s", file=sys.stderr, flush=True)
     rows = []
     for name, model in models.items():
         for factor in factors:
@@ -71,6 +88,7 @@ def main() -> int:
             for routing in routings:
                 with memlimit.MemoryLimit(limit) as lim:
                     for rep in range(a.repeats):
+                        bw = disk.probe(model).mib_s if a.limits else np.nan
                         k = rep % len(pts)
                         for pt in pts[k:] + pts[:k]:
                             tag = f"{name}-{factor:g}x-{routing}-{pt.name.replace(':', '-').replace('/', '-')}-{rep}"
@@ -83,6 +101,14 @@ def main() -> int:
                                              block_read_mib=r["read_mib"], major_faults=r["major_faults"],
                                              budget_mb=r.get("stream_budget_after_contexts_mb") or r.get("stream_budget_mb"),
                                              peak_mib=r.get("peak_mib")))
+                            if a.limits:
+                                miss = r.get("stream_read_mib_per_token") if pt.kind == "defaults" else r["read_mib_per_token"]
+                                comp = 1.0 / resident[name]
+                                lim_s = stream.limit_ts(miss, bw, comp)
+                                lim_o = stream.limit_ts(miss, bw, comp, overlap=True)
+                                rows[-1].update(resident_ts=resident[name], probe_mib_s=bw, miss_mib_per_token=miss,
+                                                limit_ts=lim_s, overlap_limit_ts=lim_o, vs_limit=r["avg_ts"] / lim_s,
+                                                vs_overlap_limit=r["avg_ts"] / lim_o)
                             print(f"{tag}: {r['avg_ts']:.2f} tok/s", file=sys.stderr, flush=True)
                             pd.DataFrame(rows).to_csv(a.out / "prefill-runs.csv", index=False)
     runs = pd.DataFrame(rows)
@@ -97,6 +123,10 @@ def main() -> int:
         hit = runs.pivot_table(index=keys, columns="point", values="hit_pct", aggfunc="median")
         s["hit % scan"] = hit["defaults"]
         s["hit % plain"] = hit["defaults/global-lru"]
+    if a.limits:
+        d = runs[runs.point == "defaults"]
+        for col in ("limit_ts", "vs_limit", "overlap_limit_ts", "vs_overlap_limit"):
+            s[f"defaults {col}"] = d.groupby(keys)[col].median()
     s = s.reset_index()
     s.to_csv(a.out / "prefill-summary.csv", index=False)
     plot(s, a.out / "prefill.png", a.n_prompt)

@@ -24,7 +24,8 @@ Outputs, in the output folder:
 
 - ``stream-runs.csv``: one row per run and mode: ``point``, ``mode`` (``pp`` | ``tg``),
   ``repeat``, ``limit_mib``, llama-bench's columns (``avg_ts`` tok/s, ``n_prompt``, ``n_gen``,
-  ...), ``tokens`` (the run's tokens, llama-bench's warm-up included), ``major_faults`` and
+  ...), ``tokens`` (the run's tokens, llama-bench's warm-up included: the whole prompt again for pp,
+  one token for tg), ``major_faults`` and
   ``read_mib`` (the process's ``getrusage`` major faults and block input, warm-up included),
   ``majflt_per_token``, ``read_mib_per_token``, ``peak_mib`` (the cgroup's peak use), and the
   stream tier's columns of :func:`pybmoe.engine.stream_record` (``stream_hit_pct``,
@@ -202,8 +203,8 @@ def run_point(model: Path, point: StreamPoint, mode: str, *, limit: memlimit.Mem
         raise engine.EngineError(f"llama-bench exited with code {r.returncode} ({len(rows)} result rows): "
                                  f"{' '.join(cmd)}\n{r.stderr[-4000:]}")
     row = dict(rows[0])
-    # llama-bench warms up with one ubatch (pp) or one token (tg) before the measured run
-    tokens = (int(row.get("n_prompt", 0)) + 1) if mode == "pp" else int(row.get("n_gen", 0)) + 1
+    # llama-bench warms up with the whole prompt (pp) or one token (tg) before the measured run
+    tokens = 2 * int(row.get("n_prompt", 0)) if mode == "pp" else int(row.get("n_gen", 0)) + 1
     majflt = after.ru_majflt - before.ru_majflt
     read_mib = (after.ru_inblock - before.ru_inblock) * 512 / 2**20
     row.update(point=point.name, kind=point.kind, budget=point.budget, dense=point.dense, mode=mode, tokens=tokens,

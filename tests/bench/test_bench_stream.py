@@ -39,6 +39,14 @@ def test_the_stream_points_carry_the_tiers_figures_and_mmap_none(result):
     assert (s[s.budget == "8"].stream_budget_mb == 8.0).all()
     assert r[~r.kind.isin(["stream", "defaults"])].stream_hit_pct.isna().all()
     assert (r.tokens > 0).all() and (r.read_mib_per_token >= 0).all()
+    # a run's tokens are the ones the tier counted: llama-bench's warm-up is the whole prompt for pp (it was
+    # counted as one token, which made pp's per-token figures nearly twice too large) and one token for tg
+    assert (s[s["mode"] == "pp"].tokens == 2 * s[s["mode"] == "pp"].n_prompt).all()
+    assert (s[s["mode"] == "tg"].tokens == s[s["mode"] == "tg"].n_gen + 1).all()
+    read = s[s.stream_read_mib_per_token > 0.05]  # the tier's figure has two decimals
+    assert len(read) > 0
+    counted = read.stream_read_mib / read.stream_read_mib_per_token
+    assert np.allclose(counted, read.tokens, rtol=0.1), list(zip(counted, read.tokens))
 
 
 def test_the_summary_gives_ratios_over_mmap(result):
