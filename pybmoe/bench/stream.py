@@ -59,7 +59,9 @@ its reads ran at the probe's rate and its compute at the all-resident point's (i
 
 Both are NaN without a ``resident`` point or a probe. The token counts include llama-bench's warm-up
 (one token or one prompt, read from an empty cache), so a short run's misses per token are high and
-its limit low; compare points of one run.
+its limit low; compare points of one run. The probe reads as decode's misses are read; prefill reads
+longer runs, part of them behind compute (the prefetch), so a prefill run can beat its limit
+(``docs/benchmarks.md``, "Prefill at the defaults at 3x, with each run's limit").
 
 Where cgroups cannot be created (not root, no memory controller) the benchmark says so and runs
 without a limit; where the page cache cannot be dropped it says so and runs warm.
