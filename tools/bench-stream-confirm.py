@@ -64,11 +64,8 @@ def main() -> int:
     resident = {}
     if a.predict and "tg" in modes:
         for name in dict.fromkeys(settings.model):
-            ts = [stream.run_point(Path(models[name]), stream.StreamPoint("resident"), "tg", limit=None, cold=False,
-                                   log_path=a.out / "confirm-logs" / f"{name}-resident-{i}.log", n_prompt=1,
-                                   n_gen=a.n_gen, threads=2, ubatch=512, io_threads=None, floor_mib=None,
-                                   route_replay=None)["avg_ts"] for i in range(3)]
-            resident[name] = float(pd.Series(ts).median())
+            resident[name] = stream.resident_ts(Path(models[name]), "tg", a.out / "confirm-logs", name, n_prompt=1,
+                                                n_gen=a.n_gen)
             print(f"{name} resident tg: {resident[name]:.2f} tok/s", file=sys.stderr, flush=True)
     rows = []
     traces: dict[str, tr.Trace] = {}
@@ -116,11 +113,9 @@ def main() -> int:
                                                           resident_tok_s=resident[s.model], tokens=a.n_gen + 1, skip=1,
                                                           window_experts=rows[-1]["window_experts"])
                                 rows[-1][col] = p.tok_s
-                            miss, comp = rows[-1]["read_mib_per_token"], 1.0 / resident[s.model]
-                            slim = stream.limit_ts(miss, probe, comp)
-                            olim = stream.limit_ts(miss, probe, comp, overlap=True)
-                            rows[-1].update(resident_ts=resident[s.model], limit_ts=slim, overlap_limit_ts=olim,
-                                            vs_limit=r["avg_ts"] / slim, vs_overlap_limit=r["avg_ts"] / olim)
+                            rows[-1].update(resident_ts=resident[s.model],
+                                            **stream.limit_columns(r["avg_ts"], rows[-1]["read_mib_per_token"], probe,
+                                                                   1.0 / resident[s.model]))
                         print(f"{s.model} {s.factor:g}x {s.routing} {mode} {pt.name} {rep}: {r['avg_ts']:.2f} tok/s",
                               file=sys.stderr, flush=True)
                 pd.DataFrame(rows).to_csv(a.out / "sweep-confirm.csv", index=False)

@@ -75,11 +75,7 @@ def main() -> int:
     resident = {}
     if a.limits:
         for name, model in models.items():
-            ts = [stream.run_point(model, stream.StreamPoint("resident"), "pp", limit=None, cold=False,
-                                   log_path=a.out / "logs" / f"{name}-resident-{i}.log", n_prompt=a.n_prompt, n_gen=0,
-                                   threads=2, ubatch=512, io_threads=None, floor_mib=None, route_replay=None)["avg_ts"]
-                  for i in range(3)]
-            resident[name] = float(np.median(ts))
+            resident[name] = stream.resident_ts(model, "pp", a.out / "logs", name, n_prompt=a.n_prompt, n_gen=0)
             print(f"{name} resident pp{a.n_prompt}: {resident[name]:.2f} tok/s", file=sys.stderr, flush=True)
     rows = []
     for name, model in models.items():
@@ -103,12 +99,8 @@ def main() -> int:
                                              peak_mib=r.get("peak_mib")))
                             if a.limits:
                                 miss = r.get("stream_read_mib_per_token") if pt.kind == "defaults" else r["read_mib_per_token"]
-                                comp = 1.0 / resident[name]
-                                lim_s = stream.limit_ts(miss, bw, comp)
-                                lim_o = stream.limit_ts(miss, bw, comp, overlap=True)
                                 rows[-1].update(resident_ts=resident[name], probe_mib_s=bw, miss_mib_per_token=miss,
-                                                limit_ts=lim_s, overlap_limit_ts=lim_o, vs_limit=r["avg_ts"] / lim_s,
-                                                vs_overlap_limit=r["avg_ts"] / lim_o)
+                                                **stream.limit_columns(r["avg_ts"], miss, bw, 1.0 / resident[name]))
                             print(f"{tag}: {r['avg_ts']:.2f} tok/s", file=sys.stderr, flush=True)
                             pd.DataFrame(rows).to_csv(a.out / "prefill-runs.csv", index=False)
     runs = pd.DataFrame(rows)

@@ -118,19 +118,24 @@ def expert_layers(model: str | os.PathLike) -> dict[int, list[tuple[int, int, in
     return {il: sorted(ts) for il, ts in sorted(out.items())}
 
 
+def _runs(experts: np.ndarray) -> list[tuple[int, int]]:
+    """The runs of consecutive ids among ``experts`` (sorted), as (first, last + 1)."""
+    out = []
+    i = 0
+    while i < len(experts):
+        j = i + 1
+        while j < len(experts) and experts[j] == experts[j - 1] + 1:
+            j += 1
+        out.append((int(experts[i]), int(experts[j - 1]) + 1))
+        i = j
+    return out
+
+
 def step_reads(tensors: list[tuple[int, int, int]], experts: np.ndarray) -> list[tuple[int, int]]:
     """One layer step's reads (aligned offset, aligned length): per expert tensor, one read per run of
     consecutive ids among ``experts`` (sorted), as the tier's ``read_jobs`` makes them."""
-    out = []
-    for off, per, _ in tensors:
-        i = 0
-        while i < len(experts):
-            j = i + 1
-            while j < len(experts) and experts[j] == experts[j - 1] + 1:
-                j += 1
-            out.append(_window(off + int(experts[i]) * per, off + (int(experts[j - 1]) + 1) * per))
-            i = j
-    return out
+    runs = _runs(experts)
+    return [_window(off + a * per, off + b * per) for off, per, _ in tensors for a, b in runs]
 
 
 def record_reads(tensors: list[tuple[int, int, int]], experts: np.ndarray) -> list[tuple[int, int]]:
@@ -138,15 +143,7 @@ def record_reads(tensors: list[tuple[int, int, int]], experts: np.ndarray) -> li
     ``e``'s record of ``sum(per)`` bytes at the layer's first tensor offset + ``e * sum(per)``, one read
     per run of consecutive ids among ``experts`` (sorted)."""
     base, rec = min(off for off, _, _ in tensors), sum(per for _, per, _ in tensors)
-    out = []
-    i = 0
-    while i < len(experts):
-        j = i + 1
-        while j < len(experts) and experts[j] == experts[j - 1] + 1:
-            j += 1
-        out.append(_window(base + int(experts[i]) * rec, base + (int(experts[j - 1]) + 1) * rec))
-        i = j
-    return out
+    return [_window(base + a * rec, base + b * rec) for a, b in _runs(experts)]
 
 
 def _probe_steps(model, lanes: int, total_mib: float, seed: int, top_k: int, layout: str = "gguf") -> DiskProbe:

@@ -240,6 +240,25 @@ def limit_ts(miss_mib_per_token, probe_mib_s, compute_s_per_token, *, overlap: b
     return float(out) if out.ndim == 0 else out
 
 
+def limit_columns(ts, miss_mib_per_token, probe_mib_s, compute_s_per_token) -> dict:
+    """A run's limit columns (module doc) from its measured tok/s and :func:`limit_ts`'s inputs:
+    ``limit_ts``, ``overlap_limit_ts``, ``vs_limit`` and ``vs_overlap_limit`` (scalars or arrays)."""
+    lim = limit_ts(miss_mib_per_token, probe_mib_s, compute_s_per_token)
+    olim = limit_ts(miss_mib_per_token, probe_mib_s, compute_s_per_token, overlap=True)
+    return dict(limit_ts=lim, overlap_limit_ts=olim, vs_limit=ts / lim, vs_overlap_limit=ts / olim)
+
+
+def resident_ts(model: Path, mode: str, log_dir: Path, name: str, *, n_prompt: int, n_gen: int,
+                runs: int = 3) -> float:
+    """The all-resident speed of ``model`` in ``mode``, tok/s: the median of ``runs`` warm runs without a
+    limit (the ``resident`` point, 2 threads), their logs ``log_dir/NAME-resident-I.log``. Raises
+    :class:`pybmoe.engine.EngineError` when a run fails."""
+    return float(np.median([run_point(model, StreamPoint("resident"), mode, limit=None, cold=False,
+                                      log_path=log_dir / f"{name}-resident-{i}.log", n_prompt=n_prompt, n_gen=n_gen,
+                                      threads=2, ubatch=512, io_threads=None, floor_mib=None,
+                                      route_replay=None)["avg_ts"] for i in range(runs)]))
+
+
 def add_limits(runs: pd.DataFrame) -> pd.DataFrame:
     """``runs`` with the limit columns of the module doc (``miss_mib_per_token``,
     ``compute_s_per_token``, ``limit_ts``, ``overlap_limit_ts``, ``vs_limit``, ``vs_overlap_limit``);
@@ -253,10 +272,9 @@ def add_limits(runs: pd.DataFrame) -> pd.DataFrame:
         else pd.Series(np.nan, index=r.index)
     r["miss_mib_per_token"] = np.where(streamed, tier, r.read_mib_per_token)
     probe = r["probe_mib_s"] if "probe_mib_s" in r else pd.Series(np.nan, index=r.index)
-    r["limit_ts"] = limit_ts(r.miss_mib_per_token, probe, r.compute_s_per_token)
-    r["overlap_limit_ts"] = limit_ts(r.miss_mib_per_token, probe, r.compute_s_per_token, overlap=True)
-    r["vs_limit"] = r.avg_ts / r.limit_ts
-    r["vs_overlap_limit"] = r.avg_ts / r.overlap_limit_ts
+    for col, v in limit_columns(r.avg_ts.to_numpy(float), r.miss_mib_per_token.to_numpy(float),
+                                probe.to_numpy(float), r.compute_s_per_token.to_numpy(float)).items():
+        r[col] = v
     return r
 
 
