@@ -1,6 +1,7 @@
 // pybmoe: the stream tier's reads in flight and the CPU kernel's wait for them. See llama-moe-inflight.h.
 
 #include "llama-moe-inflight.h"
+#include "llama-moe-waves.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -31,7 +32,7 @@ int64_t llama_moe_now_us() {
             std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-void llama_moe_mul_mat_id_wait(const ggml_tensor * as, int64_t e) {
+void llama_moe_mul_mat_id_wait(const ggml_tensor * as, int64_t e, int ith, int nth) {
     if (g_busy.load(std::memory_order_acquire) == 0) {
         return;
     }
@@ -44,7 +45,13 @@ void llama_moe_mul_mat_id_wait(const ggml_tensor * as, int64_t e) {
         }
         ref = it->second;
     }
-    ref.tier->wait((int64_t) ref.li * ref.n_expert + e, ref.p);
+    llama_moe_waves * waves = ref.tier->waves;
+    if (waves != nullptr && waves->active(ref.li)) {
+        waves->pass(ref.p, e, ith, nth); // drops what every thread is past, reads ahead
+    }
+    if (e < ref.n_expert) {
+        ref.tier->wait((int64_t) ref.li * ref.n_expert + e, ref.p);
+    }
 }
 
 } // namespace
@@ -75,6 +82,14 @@ void llama_moe_inflight::done(int64_t first, int64_t count, int32_t p, bool ok, 
         flags[(size_t) e * n_proj + p].store(0, std::memory_order_release);
     }
     g_busy.fetch_sub(count, std::memory_order_acq_rel);
+}
+
+void llama_moe_inflight::hold() {
+    g_busy.fetch_add(1, std::memory_order_acq_rel);
+}
+
+void llama_moe_inflight::unhold() {
+    g_busy.fetch_sub(1, std::memory_order_acq_rel);
 }
 
 void llama_moe_inflight::wait(int64_t entry, int32_t p) {

@@ -24,6 +24,7 @@
 #include <vector>
 
 struct ggml_tensor;
+struct llama_moe_waves;
 
 struct llama_moe_inflight {
     // n_entries (layer, expert) entries of n_proj projections each
@@ -45,6 +46,12 @@ struct llama_moe_inflight {
     }
 
     std::atomic<uint64_t> wait_us { 0 }; // the time at least one compute thread waited for a read
+
+    // the tier's expert waves (llama-moe-waves.h): while a layer's step runs in waves, the hook passes
+    // each thread's position there before it waits; hold() keeps the hook awake meanwhile, unhold() ends it
+    llama_moe_waves * waves = nullptr;
+    void hold();
+    void unhold();
 
     // the CPU MUL_MAT_ID's hook: routes (as, e) to the tier that streams `as`. register_tensor maps one
     // expert tensor to this tier's layer li, projection p; forget drops every tensor of this tier

@@ -239,6 +239,7 @@ void llama_moe_lru::init(int32_t n_layer_, int32_t n_expert_, int64_t capacity_)
     resident.assign(n, 0);
     need.assign(n, 0);
     cold.assign(n, 0);
+    passed_gen.assign(n, 0);
     head = tail = -1;
     gen  = 0;
     n_scan_steps = 0;
@@ -265,7 +266,7 @@ void llama_moe_lru::push_back(int32_t e) {
 }
 
 void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vector<int8_t> & hit,
-                         std::vector<int32_t> & admitted, std::vector<int32_t> & evicted) {
+                         std::vector<int32_t> & admitted, std::vector<int32_t> & evicted, std::vector<int32_t> & passed) {
     LLAMA_MOE_RES_ASSERT(layer >= 0 && layer < n_layer);
     gen++;
     const int32_t base = layer * n_expert;
@@ -281,8 +282,7 @@ void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vec
     n_scan_steps += scan;
     // the lend: a step that wants half of its layer or more holds capacity entries, the others capacity + lend
     const int64_t cap = wants_half() ? capacity : capacity + lend;
-    while (n_resident > cap) {
-        evict_unneeded(evicted);
+    while (n_resident > cap && evict_unneeded(evicted)) {
     }
     hit.resize(n);
     for (int64_t i = 0; i < n; ++i) {
@@ -298,8 +298,14 @@ void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vec
         }
         misses++;
         hit[i] = 0;
-        if (n_resident >= cap) {
-            evict_unneeded(evicted);
+        if (n_resident >= cap && !evict_unneeded(evicted)) {
+            // every resident is needed by this step: the miss passes through (not admitted); a repeated
+            // lookup of it misses again
+            if (passed_gen[e] != gen) {
+                passed_gen[e] = gen;
+                passed.push_back(e);
+            }
+            continue;
         }
         resident[e] = 1;
         n_resident++;
@@ -313,19 +319,20 @@ void llama_moe_lru::step(int32_t layer, const int32_t * ids, int64_t n, std::vec
     }
 }
 
-void llama_moe_lru::evict_unneeded(std::vector<int32_t> & evicted) {
+bool llama_moe_lru::evict_unneeded(std::vector<int32_t> & evicted) {
     int32_t v = tail;
     while (v >= 0 && need[v] == gen) {
         v = prev[v];
     }
-    // note: a capacity of at least the largest step always leaves a victim (the tier refuses smaller
-    // budgets at load)
-    LLAMA_MOE_RES_ASSERT(v >= 0 && "the step needs more entries than the capacity holds");
+    if (v < 0) {
+        return false; // every resident is needed by this step (a capacity under the step's set)
+    }
     unlink(v);
     resident[v] = 0;
     n_resident--;
     evictions++;
     evicted.push_back(v);
+    return true;
 }
 
 void llama_moe_lru::resize(int64_t capacity_, std::vector<int32_t> & evicted) {

@@ -141,7 +141,10 @@ private:
 // rank order: a hit becomes the most recent entry; a miss evicts the least recently used entry that
 // the step does not need, then enters as the most recent. There is no lag: the tier reads an
 // admitted entry's bytes before the step's computation runs. pybmoe.routing.sim replays the same
-// rule ("global-lru"); the capacity must hold the largest step (llama_moe_lru::step asserts it).
+// rule ("global-lru"). A step that needs more entries than the capacity holds: once every resident
+// is one the step needs, its further misses pass through (they are not admitted, and evict nothing;
+// the stream tier reads them in expert waves while the layer computes, llama-moe-waves.h), as the
+// simulator's "bypassed" misses.
 //
 // The scan guard (scan_guard, on by default: "global-lru-scan" in pybmoe.routing.sim): a step that
 // wants at least half of its layer's experts and whose distinct experts times the streamed layers
@@ -195,8 +198,10 @@ struct llama_moe_lru {
     // one layer step: ids[0 .. n) in router order (token-major, rank-minor). hit[i] is 1 for a hit
     // and 0 for a miss; `admitted` gets the entries to read, `evicted` the entries dropped (in the
     // order they happen; an evicted entry's memory is free before any admitted entry is read)
+    // `passed` gets the entries that missed and were not admitted (distinct, in first-lookup order): every
+    // resident was needed by the step
     void step(int32_t layer, const int32_t * ids, int64_t n, std::vector<int8_t> & hit,
-              std::vector<int32_t> & admitted, std::vector<int32_t> & evicted);
+              std::vector<int32_t> & admitted, std::vector<int32_t> & evicted, std::vector<int32_t> & passed);
 
     // a new capacity; a shrink evicts from the least recent end at once, down to capacity + lend
     void resize(int64_t capacity, std::vector<int32_t> & evicted);
@@ -205,6 +210,8 @@ private:
     void unlink(int32_t e);
     void push_front(int32_t e);
     void push_back(int32_t e);
-    // evicts the least recently used entry the current step does not need (appended to `evicted`)
-    void evict_unneeded(std::vector<int32_t> & evicted);
+    // evicts the least recently used entry the current step does not need (appended to `evicted`); false
+    // when the step needs every resident
+    bool evict_unneeded(std::vector<int32_t> & evicted);
+    std::vector<uint64_t> passed_gen; // [n_entries] the step that passed the entry through
 };

@@ -383,13 +383,31 @@ void llama_moe_reader::submit(const std::vector<llama_moe_read> & jobs) {
     cv_work.notify_all();
 }
 
+void llama_moe_reader::append(const std::vector<llama_moe_read> & jobs) {
+    if (jobs.empty()) {
+        return;
+    }
+    std::unique_lock<std::mutex> lock(mutex);
+    if (batch == nullptr) {
+        owned    = jobs;
+        batch    = &owned;
+        next_job = 0;
+        batch_err.clear();
+        n_working = 0;
+    } else {
+        owned.insert(owned.end(), jobs.begin(), jobs.end()); // the lanes copy a job under the lock
+    }
+    batch_id++; // the lanes that finished the batch so far take the new jobs too
+    cv_work.notify_all();
+}
+
 bool llama_moe_reader::wait(std::string & err) {
     std::unique_lock<std::mutex> lock(mutex);
     if (batch == nullptr) {
         return true;
     }
-    const size_t n = batch->size();
-    cv_done.wait(lock, [&] { return next_job >= n && n_working == 0; });
+    // the batch may grow while it is read (append)
+    cv_done.wait(lock, [&] { return next_job >= batch->size() && n_working == 0; });
     batch = nullptr;
     if (!batch_err.empty()) {
         err = batch_err;

@@ -149,6 +149,9 @@ struct llama_moe_reader {
     // they are done, with read()'s result. One batch at a time: read() and submit() wait for the last.
     void submit(const std::vector<llama_moe_read> & jobs);
     bool wait(std::string & err);
+    // adds jobs to the batch being read (a new batch when none is), without waiting; thread-safe (the
+    // stream tier's expert waves read ahead from the compute threads). wait() waits for them too
+    void append(const std::vector<llama_moe_read> & jobs);
 
     bool direct = false;          // O_DIRECT in use
     std::string fallback_reason;  // why not, when it was asked for

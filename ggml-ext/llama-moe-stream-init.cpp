@@ -174,6 +174,20 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     const int64_t min_bytes   = min_entries * (int64_t) entry;
     const double  mib = 1024.0 * 1024.0;
 
+    // expert waves (llama-moe-waves.h): a budget under min_bytes runs the steps that need more than it holds
+    // in waves, reading 2 experts per read lane ahead of the layer's slowest compute thread in each projection;
+    // the least budget is then one token's top-k beside that window. They need patch 0033's hook in the CPU
+    // backend. PYBMOE_MOE_STREAM_WAVES=0 turns them off (the least budget is min_bytes again)
+    const char *  wv_env = getenv("PYBMOE_MOE_STREAM_WAVES");
+    const bool    hook   = llama_moe_inflight::install();
+    st.waves_on     = hook && !(wv_env && atoi(wv_env) == 0) && min_entries > n_used;
+    st.wave_entries = st.waves_on ? std::min<int64_t>(2 * (int64_t) io_threads, n_expert) : 0;
+    st.n_used       = n_used;
+    st.entry_bytes  = entry;
+    st.min_bytes    = min_bytes;
+    const int64_t least_entries = st.least_bytes() / (int64_t) entry;
+    const int64_t least_bytes   = least_entries * (int64_t) entry;
+
     // what the process needs beside the budget, known at load: the dense weights in host memory (every
     // token touches them; BigMoeOnEdge's auto over-asks when it sizes before them) and the pages an
     // entry's partial pages commit beyond its bytes (the read lanes read in place and hold no buffers:
@@ -251,6 +265,10 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                 room_entries = min_entries;
             }
         }
+        if (entries < min_entries && entries >= least_entries) {
+            note += format("; under one layer step's largest set (%lld experts at ubatch %d): a step that needs more "
+                    "reads the rest in expert waves while the layer computes", (long long) min_entries, n_ubatch);
+        }
         budget = entries * (int64_t) entry;
         LLAMA_LOG("%s: moe-stream: auto: %s -> %.0f MiB available - %.0f MiB dense weights in host memory - %.0f MiB "
                 "prefetch window (%lld experts) - %.0f MiB floor%s%s -> %lld experts of %.3f MiB (+%.0f KiB page rounding each) = budget %.0f MiB (experts %.0f MiB, "
@@ -262,25 +280,34 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                         LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT).c_str() : "",
                 ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", (long long) entries, entry / mib,
                 (entry_cost - (int64_t) entry) / 1024.0, budget / mib, total / mib, min_bytes / mib, note.c_str());
-        if (entries < min_entries) {
+        if (entries < least_entries) {
             LLAMA_LOG_ERROR("%s: moe-stream: auto: %.0f MiB available - %.0f MiB dense weights - %.0f MiB prefetch window "
                     "leaves %.0f MiB, under the "
-                    "mechanical minimum of %.1f MiB (%lld experts of %.2f MiB: the most one layer step needs at ubatch %d) "
-                    "plus %d MiB; give the process more memory or a smaller -ub\n", __func__,
+                    "mechanical minimum of %.1f MiB (%lld experts of %.2f MiB: %s) "
+                    "plus %d MiB; give the process more memory%s\n", __func__,
                     m.avail() / mib, dense / mib, (double) (prefetch * entry_cost) / mib, std::max<int64_t>(room, 0) / mib,
-                    min_bytes / mib,
-                    (long long) min_entries, entry / mib, n_ubatch, LLAMA_MOE_STREAM_FLOOR_MIN_MIB);
+                    least_bytes / mib, (long long) least_entries, entry / mib,
+                    st.waves_on ? format("top-k %d and the expert waves' window of %lld", n_used, (long long) st.wave_entries).c_str()
+                                : format("the most one layer step needs at ubatch %d", n_ubatch).c_str(),
+                    LLAMA_MOE_STREAM_FLOOR_MIN_MIB, st.waves_on ? "" : " or a smaller -ub");
             return LLAMA_MOE_STREAM_ERR_BUDGET;
         }
         st.auto_room_entries = room_entries;
         st.auto_cap_entries  = cap_entries;
     } else {
         budget = (int64_t) budget_mib << 20;
-        if (budget < min_bytes) {
-            LLAMA_LOG_ERROR("%s: moe-stream: %d MiB is under the mechanical minimum of %.1f MiB: one layer step at ubatch %d "
-                    "can need min(n_expert %d, top-k %d x %d tokens) = %lld experts of %.2f MiB; give at least %lld MiB "
-                    "or a smaller -ub\n", __func__, budget_mib, min_bytes / mib, n_ubatch, n_expert, n_used, n_ubatch,
-                    (long long) min_entries, entry / mib, (long long) ((min_bytes + (1 << 20) - 1) >> 20));
+        if (budget < least_bytes) {
+            if (st.waves_on) {
+                LLAMA_LOG_ERROR("%s: moe-stream: %d MiB is under the mechanical minimum of %.1f MiB: one token's top-%d "
+                        "experts beside the expert waves' window of %lld, %lld experts of %.2f MiB; give at least %lld MiB\n",
+                        __func__, budget_mib, least_bytes / mib, n_used, (long long) st.wave_entries,
+                        (long long) least_entries, entry / mib, (long long) ((least_bytes + (1 << 20) - 1) >> 20));
+            } else {
+                LLAMA_LOG_ERROR("%s: moe-stream: %d MiB is under the mechanical minimum of %.1f MiB: one layer step at ubatch %d "
+                        "can need min(n_expert %d, top-k %d x %d tokens) = %lld experts of %.2f MiB; give at least %lld MiB "
+                        "or a smaller -ub\n", __func__, budget_mib, min_bytes / mib, n_ubatch, n_expert, n_used, n_ubatch,
+                        (long long) min_entries, entry / mib, (long long) ((min_bytes + (1 << 20) - 1) >> 20));
+            }
             return LLAMA_MOE_STREAM_ERR_BUDGET;
         }
         if (budget > total) {
@@ -399,14 +426,21 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         const bool ov_on   = ov_set && strcmp(ov_env, "1") == 0;
         st.overlap_auto    = !ov_off && !ov_on;
         st.n_cpus          = llama_moe_online_cpus();
-        st.overlap = !ov_off && llama_moe_inflight::install();
-        if (st.overlap) { // the flags and the hook's map, only when it may go on
+        st.overlap = !ov_off && hook;
+        if (st.overlap || st.waves_on) { // the flags and the hook's map, only when they may be used
             st.inflight.init((int64_t) n_expert * (int64_t) st.layers.size(), LLAMA_MOE_N_PROJ);
             for (const auto & l : st.layers) {
                 for (int p = 0; p < l.n_proj; ++p) {
                     st.inflight.register_tensor(l.exps[p], l.li, p, n_expert);
                 }
             }
+        }
+        if (st.waves_on) {
+            llama_moe_stream * tier = &st;
+            st.waves.window = (int32_t) st.wave_entries;
+            st.waves.read = [tier](int32_t li, int32_t p, const std::vector<int32_t> & e) { tier->wave_read(li, p, e); };
+            st.waves.drop = [tier](int32_t li, int32_t p, const std::vector<int32_t> & e) { tier->wave_drop(li, p, e); };
+            st.inflight.waves = &st.waves;
         }
         if (st.overlap && !st.overlap_auto) {
             LLAMA_LOG("%s: moe-stream: reads behind compute (PYBMOE_MOE_STREAM_OVERLAP=1): a decode step's misses are read "
@@ -422,12 +456,10 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             l.exps[p]->data = l.base[p];
         }
     }
-    st.entry_bytes  = entry;
     st.budget_bytes = budget;
-    st.min_bytes    = min_bytes;
     st.total_bytes  = total;
     st.n_ubatch     = n_ubatch;
-    st.lru.init((int32_t) st.layers.size(), n_expert, budget / (int64_t) entry);
+    st.lru.init((int32_t) st.layers.size(), n_expert, st.lru_entries(budget));
     st.lru.scan_guard = policy == "global-lru-scan";
     // the prefetch window's entries hold decode's experts while no step wants half of its layer: a step that
     // does evicts down to the budget first, and its prefetch then reads into the window (docs/stream-tier.md,
@@ -443,15 +475,19 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             "%.3f MiB%s), policy %s, %d read lanes, %s; streamed experts keep the GGUF layout (no CPU repack)\n", __func__,
             st.layers.size(), n_moe, mc->sources.paths[0].c_str(), mc->sources.paths.size() > 1 ? " and its splits" : "",
             budget / mib, (long long) st.lru.capacity, entry / mib,
-            prefetch > 0 ? format("; decode also holds the prefetch window's %lld", (long long) prefetch).c_str() : "",
+            (prefetch > 0 ? format("; decode also holds the prefetch window's %lld", (long long) prefetch) : std::string()).append(
+                budget < min_bytes ? format("; under one layer step's largest set of %lld experts: the rest of such a step "
+                    "is read in expert waves, %lld experts ahead of the compute in each projection", (long long) min_entries,
+                    (long long) st.wave_entries) : std::string()).c_str(),
             policy.c_str(), st.reader.n_lanes,
             st.reader.direct ? "O_DIRECT" : "buffered");
     // the preamble: one line, key=value (pybmoe.engine parses it)
     LLAMA_LOG("moe-stream-preamble: layers=%zu n_expert=%d top_k=%d budget_mb=%.2f cache_cycle_mb=%.2f layer_demand_mb=%.2f "
-            "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f prefetch_experts=%lld overlap=%s\n", st.layers.size(), n_expert,
+            "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f prefetch_experts=%lld overlap=%s least_mb=%.2f wave_experts=%lld\n",
+            st.layers.size(), n_expert,
             n_used, budget / mib, cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib,
             st.reader.direct ? 1 : 0, st.reader.n_lanes, entry / mib, (long long) prefetch,
-            !st.overlap ? "0" : st.overlap_auto ? "auto" : "1");
+            !st.overlap ? "0" : st.overlap_auto ? "auto" : "1", least_bytes / mib, (long long) st.wave_entries);
     st.check_fit(); // a fixed budget that does not fit even before the contexts: one WARN now
     if ((double) budget < cycle) {
         // the cliff guard (the BigMoeOnEdge seed): state the fact, once, at load

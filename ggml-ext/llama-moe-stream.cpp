@@ -34,6 +34,7 @@ static long llama_moe_major_faults() {
 void llama_moe_stream::unmap() {
     std::string err;
     reader.wait(err); // no lane may still read into a reservation (a step's reads, a prefetch)
+    finish_waves();
     prefetch_li = -1;
     inflight.forget();
 #if !defined(_WIN32)
@@ -176,6 +177,48 @@ void llama_moe_stream::release(const std::vector<int32_t> & entries) {
 #endif
 }
 
+void llama_moe_stream::release_proj(int32_t entry, int p) {
+#if !defined(_WIN32)
+    uint8_t * addr = nullptr;
+    size_t    len  = 0;
+    interior(entry, p, addr, len);
+    if (!frames[p].unmap(entry, addr, len) && len > 0) {
+        madvise(addr, len, MADV_DONTNEED);
+    }
+#else
+    GGML_UNUSED(entry); GGML_UNUSED(p);
+#endif
+}
+
+void llama_moe_stream::wave_read(int32_t li, int32_t p, const std::vector<int32_t> & experts) {
+    size_t nbytes = 0;
+    std::vector<llama_moe_read> jobs = read_jobs(layers[li], experts, nbytes, /*track =*/ true, p, /*marked =*/ true);
+    reader.append(jobs);
+    std::lock_guard<std::mutex> lock(mutex);
+    read_bytes += nbytes;
+}
+
+void llama_moe_stream::wave_drop(int32_t li, int32_t p, const std::vector<int32_t> & experts) {
+    for (int32_t e : experts) {
+        release_proj(li * lru.n_expert + e, p);
+    }
+}
+
+void llama_moe_stream::finish_waves() {
+    const int32_t li = waves.layer();
+    if (li < 0) {
+        return;
+    }
+    std::vector<int32_t> unread[LLAMA_MOE_N_PROJ];
+    waves.finish(unread);
+    for (int p = 0; p < LLAMA_MOE_N_PROJ; ++p) {
+        for (int32_t e : unread[p]) {
+            inflight.done((int64_t) li * lru.n_expert + e, 1, p, /*ok =*/ true, ""); // never read, nothing waits for it
+        }
+    }
+    inflight.unhold();
+}
+
 void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggml_tensor * ids, bool vram_served) {
     auto & l = layers[li];
     const int64_t n_used = ids->ne[0];
@@ -209,10 +252,10 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count();
 
     std::vector<int8_t>  hit;
-    std::vector<int32_t> admitted, evicted;
+    std::vector<int32_t> admitted, evicted, passed;
     {
         std::unique_lock<std::mutex> lock(mutex);
-        lru.step(li, want.data(), (int64_t) want.size(), hit, admitted, evicted);
+        lru.step(li, want.data(), (int64_t) want.size(), hit, admitted, evicted, passed);
         l.hits_now.assign(n_used * n_rows, -1);
         for (size_t i = 0; i < want.size(); ++i) {
             l.hits_now[where[i]] = hit[i];
@@ -259,10 +302,30 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     const bool async = overlap_now() && !lru.wants_half();
     std::vector<llama_moe_read> jobs = read_jobs(l, experts, nbytes, /*track =*/ async);
 
+    // the misses the budget could not admit: read in waves while the layer computes (llama-moe-waves.h);
+    // each is marked in flight in every projection now, so a thread that reaches one waits for its read
+    std::vector<int32_t> wave;
+    if (!passed.empty()) {
+        if (!waves_on) {
+            // note: the budget is checked against the largest step at load when there are no waves
+            GGML_ABORT("moe-stream: a layer step needs more experts than the budget holds, and expert waves are off");
+        }
+        for (int32_t a : passed) {
+            wave.push_back(a % lru.n_expert);
+        }
+        std::sort(wave.begin(), wave.end());
+        for (int32_t e : wave) {
+            for (int p = 0; p < l.n_proj; ++p) {
+                inflight.mark((int64_t) li * lru.n_expert + e, p);
+            }
+        }
+        inflight.hold();
+    }
+
     // a prefill step (it wanted half of its layer or more, as the LRU counted it; it blocks, so `async` is
     // false): read the next layer's non-resident experts while this one computes
     std::vector<llama_moe_read> ahead;
-    if (prefetch_entries > 0 && li + 1 < (int32_t) layers.size() && lru.wants_half()) {
+    if (prefetch_entries > 0 && li + 1 < (int32_t) layers.size() && lru.wants_half() && wave.empty()) {
         const int32_t nl = li + 1;
         prefetched.assign(lru.n_expert, 0);
         std::vector<int32_t> next;
@@ -282,7 +345,19 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
             prefetch_bytes += pb;
         }
     }
-    if (async) {
+    if (!wave.empty()) {
+        // the admitted misses and the first window of each projection's wave in one batch; a blocking step
+        // waits for both, and the layer's MUL_MAT_IDs read the rest of the wave ahead of themselves
+        reader.submit(jobs);
+        waves.begin(li, l.n_proj, wave);
+        if (!async) {
+            t0 = clock::now();
+            if (!reader.wait(err)) {
+                GGML_ABORT("%s", err.c_str());
+            }
+            us += std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count();
+        }
+    } else if (async) {
         // the layer computes while it is read (the next step, or a resize, waits for any read left)
         if (!jobs.empty()) {
             reader.submit(jobs);
@@ -307,11 +382,14 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
 }
 
 std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
-                                                         size_t & nbytes, bool track) {
+                                                         size_t & nbytes, bool track, int only_p, bool marked) {
     // one read per run of consecutive expert ids (they are adjacent in the file and in the reservation; a
     // prefill step wants most of a layer), cut into reads of at most ~8 MiB so that the lanes share the work
     std::vector<llama_moe_read> jobs;
     for (int p = 0; p < l.n_proj; ++p) {
+        if (only_p >= 0 && p != only_p) {
+            continue;
+        }
         const size_t n = l.expert_nbytes[p];
         const size_t per_job = std::max<size_t>(1, (8u << 20) / n);
         for (size_t i = 0; i < experts.size(); ) {
@@ -337,7 +415,7 @@ std::vector<llama_moe_read> llama_moe_stream::read_jobs(const llama_moe_stream_l
             if (track) {
                 const int64_t first = (int64_t) l.li * lru.n_expert + (int64_t) e;
                 const int64_t count = (int64_t) (j - i);
-                for (int64_t entry = first; entry < first + count; ++entry) {
+                for (int64_t entry = first; entry < first + count && !marked; ++entry) {
                     inflight.mark(entry, p);
                 }
                 llama_moe_inflight * fl = &inflight;
@@ -360,6 +438,7 @@ void llama_moe_stream::settle_prefetch(int32_t li) {
     if (!reader.wait(err)) {
         GGML_ABORT("%s", err.c_str());
     }
+    finish_waves(); // the last step's layer is done: what its waves still hold goes
     if (prefetch_li < 0) {
         return;
     }
@@ -383,7 +462,7 @@ void llama_moe_stream::get_stats(llama_moe_stream_stats & out) const {
     out.read_bytes     = read_bytes;
     out.resident_bytes = (uint64_t) lru.n_resident * entry_bytes;
     out.budget_bytes   = (uint64_t) budget_bytes;
-    out.min_bytes      = (uint64_t) min_bytes;
+    out.min_bytes      = (uint64_t) least_bytes(); // the least budget the tier takes (with waves, under one step's set)
     out.total_bytes    = (uint64_t) total_bytes;
     out.n_tokens       = n_tokens;
     out.io_wait_us     = io_wait_us + inflight.wait_us.load();
@@ -398,17 +477,19 @@ void llama_moe_stream::print_summary() const {
     llama_moe_stream_stats st;
     get_stats(st);
     uint64_t n_scans = 0;
+    uint64_t n_waves = 0;
     {
         std::lock_guard<std::mutex> lock(mutex);
         n_scans = lru.n_scan_steps;
+        n_waves = waves.n_steps;
     }
     const uint64_t n = st.hits + st.misses;
     LLAMA_LOG("moe-stream: %.1f%% hit, resident %.1f MiB, misses %llu (read %.1f MiB, %.2f MiB/token), io wait %.3f s, "
-            "major faults %llu, prefetched %.1f MiB (%.1f MiB of it used), scan steps %llu\n", n ? 100.0*st.hits/n : 0.0,
+            "major faults %llu, prefetched %.1f MiB (%.1f MiB of it used), scan steps %llu, wave steps %llu\n", n ? 100.0*st.hits/n : 0.0,
             st.resident_bytes/1024.0/1024.0, (unsigned long long) st.misses, st.read_bytes/1024.0/1024.0,
             st.n_tokens ? st.read_bytes/1024.0/1024.0/st.n_tokens : 0.0, st.io_wait_us/1e6,
             (unsigned long long) st.major_faults, st.prefetch_bytes/1024.0/1024.0, st.prefetch_used/1024.0/1024.0,
-            (unsigned long long) n_scans);
+            (unsigned long long) n_scans, (unsigned long long) n_waves);
 }
 
 //
@@ -446,12 +527,13 @@ int32_t llama_model_moe_stream_set_budget_mib(llama_model * model, int32_t budge
         return -2;
     }
     auto & st = mc->stream;
-    const int64_t min_mib = (st.min_bytes + (1 << 20) - 1) >> 20;
+    const int64_t min_mib = (st.least_bytes() + (1 << 20) - 1) >> 20;
     if (budget_mib < min_mib) {
-        LLAMA_LOG_ERROR("%s: moe-stream: %d MiB is under the mechanical minimum of %lld MiB (%lld experts of %.2f MiB, "
-                "the most one layer step needs at ubatch %d); accepted: >= %lld\n", __func__, budget_mib,
-                (long long) min_mib, (long long) (st.min_bytes / (int64_t) st.entry_bytes), st.entry_bytes/1024.0/1024.0,
-                st.n_ubatch, (long long) min_mib);
+        LLAMA_LOG_ERROR("%s: moe-stream: %d MiB is under the mechanical minimum of %lld MiB (%lld experts of %.2f MiB, %s); "
+                "accepted: >= %lld\n", __func__, budget_mib,
+                (long long) min_mib, (long long) (st.least_bytes() / (int64_t) st.entry_bytes), st.entry_bytes/1024.0/1024.0,
+                st.waves_on ? "top-k and the expert waves' window" : format("the most one layer step needs at ubatch %d", st.n_ubatch).c_str(),
+                (long long) min_mib);
         return -1;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
@@ -471,7 +553,7 @@ int64_t llama_moe_stream::resize(int64_t want) {
     {
         std::unique_lock<std::mutex> lock_st(mutex);
         budget_bytes = want;
-        lru.resize(want / (int64_t) entry_bytes, evicted);
+        lru.resize(lru_entries(want), evicted);
         wait_unpinned(lock_st, evicted); // an upload started after the last generation may still read one
     }
     release(evicted);
@@ -539,17 +621,21 @@ void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t 
         return;
     }
     const int64_t room = auto_room();
-    const int64_t want = std::max<int64_t>(room, min_bytes);
+    const int64_t want = std::max<int64_t>(room, least_bytes());
     LLAMA_LOG("%s: moe-stream: auto: a context takes %.1f MiB of host memory (KV cache %.1f, compute %.1f, output %.1f; "
             "%zu context(s), %.1f MiB in all) -> budget %.2f MiB (%lld experts)\n", __func__, host_bytes / mib, kv / mib,
             compute / mib, output / mib, contexts.size(), contexts_bytes() / mib, want / mib,
             (long long) (want / (int64_t) entry_bytes));
-    if (room < min_bytes) {
+    if (room < least_bytes()) {
         LLAMA_LOG_WARN("%s: moe-stream: WARNING auto: %.0f MiB before contexts - %.1f MiB of contexts leaves %.0f MiB, under "
                 "the mechanical minimum of %.1f MiB; the tier keeps the minimum and the process may exceed its memory by "
                 "%.0f MiB (give it more memory, a smaller -c or -ub)\n", __func__,
                 (double) auto_room_entries * entry_bytes / mib, contexts_bytes() / mib,
-                std::max<int64_t>(room, 0) / mib, min_bytes / mib, (min_bytes - room) / mib);
+                std::max<int64_t>(room, 0) / mib, least_bytes() / mib, (least_bytes() - room) / mib);
+    } else if (want < min_bytes && budget_bytes >= min_bytes) {
+        LLAMA_LOG("%s: moe-stream: auto: the budget is under one layer step's largest set (%.1f MiB at ubatch %d): "
+                "a step that needs more reads the rest in expert waves while the layer computes\n", __func__,
+                min_bytes / mib, n_ubatch);
     }
     if (want != budget_bytes) {
         resize(want);
@@ -563,7 +649,7 @@ void llama_moe_stream::on_context_free(const void * ctx) {
         return;
     }
     const int64_t room = auto_room();
-    const int64_t want = std::max<int64_t>(room, min_bytes);
+    const int64_t want = std::max<int64_t>(room, least_bytes());
     if (want != budget_bytes) {
         resize(want);
     }

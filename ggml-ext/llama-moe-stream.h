@@ -18,6 +18,7 @@
 #include "llama-moe-residency.h"
 #include "llama-moe-source.h"
 #include "llama-moe-vram.h"
+#include "llama-moe-waves.h"
 
 #include <atomic>
 #include <condition_variable>
@@ -80,7 +81,30 @@ struct llama_moe_stream {
 
     size_t  entry_bytes   = 0; // the largest layer's (layer, expert) entry: all its projections
     int64_t budget_bytes  = 0;
-    int64_t min_bytes     = 0; // the largest set one layer step can need at the configured ubatch
+    int64_t min_bytes     = 0; // the largest set one layer step can need at the configured ubatch: at or above
+                               // it every step fits, and no step runs in waves
+
+    // Expert waves (llama-moe-waves.h): a budget under min_bytes is taken down to least_bytes(); a step that
+    // needs more experts than the LRU holds reads the rest while the layer computes, wave_entries experts per
+    // projection ahead of its slowest thread. Those entries' memory comes out of such a budget: the LRU holds
+    // budget / entry - wave_entries entries (lru_entries). Needs patch 0033's hook (waves_on); without it the
+    // least budget is min_bytes, as before
+    llama_moe_waves waves;
+    bool    waves_on      = false;
+    int64_t wave_entries  = 0;
+    int32_t n_used        = 0; // top-k
+
+    // the least budget the tier takes, bytes: one token's top-k experts beside the waves' window, or the
+    // largest step without waves
+    int64_t least_bytes() const {
+        return waves_on ? std::min<int64_t>(min_bytes, ((int64_t) n_used + wave_entries) * (int64_t) entry_bytes) : min_bytes;
+    }
+
+    // the LRU's entries at a budget of `bytes`
+    int64_t lru_entries(int64_t bytes) const {
+        const int64_t n = bytes / (int64_t) entry_bytes;
+        return waves_on && bytes < min_bytes ? std::max<int64_t>(n - wave_entries, 0) : n;
+    }
     int64_t total_bytes   = 0; // every streamed expert
     int32_t n_ubatch      = 0;
 
@@ -192,12 +216,22 @@ struct llama_moe_stream {
 
     // drops entries' bytes: their interiors go back to the kernel, or their frames to the free list
     void release(const std::vector<int32_t> & entries);
+    // the same for projection p only
+    void release_proj(int32_t entry, int p);
+
+    // the waves' callbacks (llama-moe-waves.h): read projection p of layer li's experts (marked in flight
+    // already) on the lanes, appended to their batch; drop their pages
+    void wave_read(int32_t li, int32_t p, const std::vector<int32_t> & experts);
+    void wave_drop(int32_t li, int32_t p, const std::vector<int32_t> & experts);
+    // the step in waves is over: drops what it still holds, clears the flags of what it never read
+    void finish_waves();
 
     // the reads of layer li's experts `experts` (sorted) into their places, one per run of consecutive
     // ids cut at ~8 MiB, each mapping its experts' page frames first; adds their bytes to nbytes. track:
     // each range is marked in flight (`inflight`) now, and in place by its lane once read
+    // only_p >= 0: that projection only; marked: the ranges are marked in flight already (the waves')
     std::vector<llama_moe_read> read_jobs(const llama_moe_stream_layer & l, const std::vector<int32_t> & experts,
-                                          size_t & nbytes, bool track);
+                                          size_t & nbytes, bool track, int only_p = -1, bool marked = false);
 
     // Reads behind compute (decode steps, those that want less than half of their layer): a step submits
     // its reads and returns; the layer's MUL_MAT_IDs wait for each expert's bytes (patch 0033's hook), so
@@ -232,7 +266,7 @@ struct llama_moe_stream {
     void get_stats(llama_moe_stream_stats & out) const;
 
     // "moe-stream: <hit>% hit, resident <X> MiB, misses <n> (read <Y> MiB, <Z> MiB/token), io wait <T> s,
-    // major faults <F>, prefetched <P> MiB (<U> MiB of it used), scan steps <S>"
+    // major faults <F>, prefetched <P> MiB (<U> MiB of it used), scan steps <S>, wave steps <W>"
     void print_summary() const;
 
     // gives the reservations back (the tensors must not be read after)

@@ -180,7 +180,8 @@ struct llama_moe_stream_stats {
     uint64_t read_bytes;      // bytes read into the cache
     uint64_t resident_bytes;  // bytes of experts resident now
     uint64_t budget_bytes;    // the budget now
-    uint64_t min_bytes;       // the mechanical minimum: the most one layer step needs at the ubatch
+    uint64_t min_bytes;       // the mechanical minimum: the least budget the tier takes (the most one layer step
+                              // needs at the ubatch, or with expert waves top-k beside the waves' window)
     uint64_t total_bytes;     // every streamed expert (a larger budget is clamped to it)
     uint64_t n_tokens;        // tokens the tier served
     uint64_t io_wait_us;      // time the graph waited for reads

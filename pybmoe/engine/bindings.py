@@ -105,7 +105,7 @@ class MoeStreamStats:
     """The stream tier's counters (cumulative since it started).
 
     hits / misses: (layer, expert) lookups found in RAM / read from the file first; read_mib,
-    resident_mib, budget_mib, min_mib (the mechanical minimum), total_mib (every streamed expert):
+    resident_mib, budget_mib, min_mib (the mechanical minimum: the least budget the tier takes), total_mib (every streamed expert):
     MiB; tokens: tokens served; io_wait_s: seconds the graph waited for reads; major_faults: the
     process's major page faults since the tier started; direct_io: O_DIRECT reads (else buffered);
     prefetch_mib / prefetch_used_mib: MiB the prefetch read ahead during prefill steps, and of them the
@@ -585,8 +585,11 @@ class Llama(llama_cpp.Llama):
             is set aside when it is created: docs/stream-tier.md); 0 = off. The experts of
             host-resident MoE layers are read from the GGUF into it as layers need them
             (``--moe-stream-cache-mb``); repack is turned off and the load leaves them unread.
-            Under the mechanical minimum (the most one layer step needs at ``n_ubatch``) it is a
-            ValueError.
+            Under the mechanical minimum it is a ValueError: the most one layer step needs at
+            ``n_ubatch``, or, where a step can need more than one token's top-k, one token's top-k
+            experts beside the expert waves' window (2 experts per read lane): a budget under the
+            largest step reads the rest of such a step in waves while the layer computes
+            (docs/stream-tier.md, "Expert waves").
         moe_stream_floor_mb: MiB ``auto`` leaves free, or ``"auto"`` (the default: 1/16 of the
             memory limit, 64 .. 1536 MiB).
         moe_stream_io_threads: the stream tier's read lanes (1 .. 64).

@@ -77,11 +77,65 @@ def test_streamed_logits_equal_all_resident(arch_model, ub, tmp_path):
 
 
 def test_a_budget_under_the_minimum_fails_the_load_with_the_arithmetic(tmp_path):
+    """At ubatch 512 the least budget is one token's top-3 beside the expert waves' window (2 experts per
+    read lane: 8 at the default 4), 11 entries of 0.498 MiB; with the waves off it is the largest step,
+    the layer's 16 experts."""
+    import os
     model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
     with pytest.raises(engine.EngineError) as e:
         run(model, tmp_path, 512, ["--moe-stream-cache-mb", "2"], "under")
     msg = str(e.value)
+    assert "under the mechanical minimum of 5.5 MiB" in msg and "top-3 experts beside the expert waves' window of 8" in msg
+    assert "11 experts of 0.50 MiB; give at least 6 MiB" in msg
+    with pytest.raises(engine.EngineError) as e:
+        run(model, tmp_path, 512, ["--moe-stream-cache-mb", "5"], "under-nowaves",
+            env={**os.environ, "PYBMOE_MOE_STREAM_WAVES": "0"})
+    msg = str(e.value)
     assert "under the mechanical minimum" in msg and "16 experts" in msg and "give at least 8 MiB" in msg
+
+
+WAVE_ARGS = ["--moe-stream-cache-mb", "3", "--moe-stream-io-threads", "1"]
+
+
+@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("ub", [32, 512])
+def test_a_budget_under_one_layer_step_reads_the_rest_in_waves_bit_identical(arch_model, ub, overlap, tmp_path):
+    """3 MiB at ubatch 32 or 512 (the prompt's steps want most of the 16 experts; the largest step needs
+    all 16, 8 MiB): the LRU holds 6 - 2 entries, the window 2 (one read lane), and each prompt step reads
+    the misses it could not admit in waves while its MUL_MAT_IDs run. The logits and tokens are those of
+    an all-resident run, with the reads behind compute forced off and on."""
+    import os
+    base = run(arch_model, tmp_path, ub, [], f"base-{ub}")
+    r = run(arch_model, tmp_path, ub, WAVE_ARGS, f"waves-{ub}-{overlap}",
+            env={**os.environ, "PYBMOE_MOE_STREAM_OVERLAP": overlap})
+    assert "least_mb=2.49 wave_experts=2" in r.log and "is read in expert waves, 2 experts ahead" in r.log
+    waves = [int(m) for m in re.findall(r"wave steps (\d+)", r.log)]
+    assert waves and waves[-1] >= 1, r.log[-2000:]
+    assert r.tokens == base.tokens and r.logits == base.logits
+    assert all(h + m > 0 for h, m in r.stream_layers.values()), r.stream_layers
+
+
+@pytest.mark.parametrize("policy", [None, "global-lru"])
+@pytest.mark.parametrize("ub", [32, 512])
+def test_the_engines_hits_equal_the_simulators_with_waves(tmp_path, ub, policy):
+    """Under one layer step's set the LRU admits what it can, then the step's other misses pass through
+    (read in waves, not admitted): the simulator's bypassed misses. The engine's own trace against
+    ``simulate`` at the trace's LRU entries (the budget's 6 less the window's 2), every lookup."""
+    import os
+    from pybmoe.routing import trace as tr
+    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **{**SHAPE, "n_layer": 3}))
+    p = tmp_path / f"trace-waves-{ub}.csv"
+    env = {**os.environ, "PYBMOE_MOE_STREAM_POLICY": policy} if policy else None
+    r = run(model, tmp_path, ub, [*WAVE_ARGS, "--moe-trace", str(p)], f"trace-waves-{ub}", env=env)
+    assert int(re.findall(r"wave steps (\d+)", r.log)[-1]) >= 1
+    t = tr.read_trace(p)
+    assert int(t.meta.extra["stream_entries"]) == 4
+    engine_hit = t.frame["ram_hit"].to_numpy()
+    want = sim.simulate(t, t.meta.extra["stream_policy"], budget_entries=4, phase="all",
+                        lend_entries=int(t.meta.extra["stream_lend"]))
+    bad = (engine_hit != want.predicted).nonzero()[0]
+    assert bad.size == 0, f"{bad.size} of {len(engine_hit)} lookups differ, first rows {bad[:5].tolist()}"
+    assert int((engine_hit == 1).sum()) > 0 and int((engine_hit == 0).sum()) > 0
 
 
 @pytest.mark.parametrize("value,why", [("-5", "integer in 0 .. 2147483647"), ("many", "integer in 0 .. 2147483647"),
