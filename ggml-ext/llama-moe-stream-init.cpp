@@ -483,11 +483,11 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             st.reader.direct ? "O_DIRECT" : "buffered");
     // the preamble: one line, key=value (pybmoe.engine parses it)
     LLAMA_LOG("moe-stream-preamble: layers=%zu n_expert=%d top_k=%d budget_mb=%.2f cache_cycle_mb=%.2f layer_demand_mb=%.2f "
-            "min_mb=%.2f direct_io=%d io_threads=%d entry_mb=%.4f prefetch_experts=%lld overlap=%s least_mb=%.2f wave_experts=%lld\n",
+            "min_mb=%.2f least_mb=%.2f wave_experts=%lld direct_io=%d io_threads=%d entry_mb=%.4f prefetch_experts=%lld overlap=%s\n",
             st.layers.size(), n_expert,
-            n_used, budget / mib, cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib,
-            st.reader.direct ? 1 : 0, st.reader.n_lanes, entry / mib, (long long) prefetch,
-            !st.overlap ? "0" : st.overlap_auto ? "auto" : "1", least_bytes / mib, (long long) st.wave_entries);
+            n_used, budget / mib, cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib, least_bytes / mib,
+            (long long) st.wave_entries, st.reader.direct ? 1 : 0, st.reader.n_lanes, entry / mib, (long long) prefetch,
+            !st.overlap ? "0" : st.overlap_auto ? "auto" : "1");
     st.check_fit(); // a fixed budget that does not fit even before the contexts: one WARN now
     if ((double) budget < cycle) {
         // the cliff guard (the BigMoeOnEdge seed): state the fact, once, at load

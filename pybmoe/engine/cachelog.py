@@ -167,8 +167,10 @@ def parse_stream_preamble(log: str) -> dict | None:
 
     Keys: layers, n_expert, top_k, io_threads (counts), direct_io (1 O_DIRECT, 0 buffered),
     budget_mb, cache_cycle_mb (every streamed layer's top-k experts), layer_demand_mb (one layer's
-    top-k experts), min_mb (the most one layer step needs at the ubatch), entry_mb (one expert of
-    one layer), all MiB; prefetch_experts (the prefetch window, which decode holds beside the
+    top-k experts), min_mb (the most one layer step needs at the ubatch), least_mb (the least budget
+    the tier takes: under min_mb, steps that need more than the budget holds run in expert waves),
+    entry_mb (one expert of one layer), all MiB; wave_experts (the waves' window: experts read ahead
+    per projection, 0 without waves); prefetch_experts (the prefetch window, which decode holds beside the
     budget: experts); overlap (reads behind compute: 0 off, 1 on, ``"auto"`` on while the
     contexts' compute threads leave a CPU to the read lanes).
     """
