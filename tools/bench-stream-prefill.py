@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pybmoe import engine
 from pybmoe.bench import disk, stream
 from pybmoe.engine import memlimit
 
@@ -88,9 +89,18 @@ def main() -> int:
                         k = rep % len(pts)
                         for pt in pts[k:] + pts[:k]:
                             tag = f"{name}-{factor:g}x-{routing}-{pt.name.replace(':', '-').replace('/', '-')}-{rep}"
-                            r = stream.run_point(model, pt, "pp", limit=lim, cold=True, log_path=a.out / "logs" / f"{tag}.log",
-                                                 n_prompt=a.n_prompt, n_gen=0, threads=2, ubatch=512, io_threads=None,
-                                                 floor_mib=None, route_replay=a.traces / f"{routing}-{name}.csv")
+                            try:
+                                r = stream.run_point(model, pt, "pp", limit=lim, cold=True,
+                                                     log_path=a.out / "logs" / f"{tag}.log", n_prompt=a.n_prompt, n_gen=0,
+                                                     threads=2, ubatch=512, io_threads=None, floor_mib=None,
+                                                     route_replay=a.traces / f"{routing}-{name}.csv")
+                            except engine.EngineError as e:
+                                # a point that does not load here (the tier refused the limit) is a row too
+                                why = [ln for ln in str(e).splitlines() if "moe-stream" in ln and "minimum" in ln]
+                                rows.append(dict(model=name, factor=factor, routing=routing, limit_mib=limit, point=pt.name,
+                                                 repeat=rep, ts=np.nan, refused=(why or [str(e)[:300]])[-1]))
+                                print(f"{tag}: refused", file=sys.stderr, flush=True)
+                                continue
                             rows.append(dict(model=name, factor=factor, routing=routing, limit_mib=limit, point=pt.name,
                                              repeat=rep, ts=r["avg_ts"], hit_pct=r.get("stream_hit_pct"),
                                              read_mib=r.get("stream_read_mib"), io_wait_s=r.get("stream_io_wait_s"),
