@@ -137,7 +137,7 @@ bool llama_moe_frames::unmap(int32_t entry, uint8_t * addr, size_t len) {
     int32_t f = -1;
     {
         std::lock_guard<std::mutex> lock(mutex);
-        if (fd < 0 || frame_of[entry] < 0) {
+        if (!on() || frame_of[entry] < 0) {
             return false;
         }
         f = frame_of[entry];

@@ -104,3 +104,30 @@ def test_page_frames_hold_at_most_the_budget_and_drop_with_a_shrink(model, monke
     # reading 200 times the budget again grows the anonymous memory by no more than the generation's own
     # Python-side arrays (under 2 MiB here): the frames keep no page they read
     assert read2 > 100 and rss_anon() - a2 <= 4 * MIB, (read2, (rss_anon() - a2) / MIB)
+
+
+def test_moved_frames_hand_their_pages_on_without_faults(model, monkeypatch):
+    """The moved frames (the default) give a miss an evicted expert's pages, already there: a run that reads
+    many times its budget faults in a small part of the pages it reads, where without frames every page read
+    is faulted in and zeroed first. Minor faults of this process (getrusage) during a generation after a
+    first one (which touches the buffers, the frames and the experts' end pages)."""
+    import resource
+
+    def faults_per_page_read(frames: str | None) -> float:
+        if frames is None:
+            monkeypatch.delenv("PYBMOE_MOE_STREAM_FRAMES", raising=False)
+        else:
+            monkeypatch.setenv("PYBMOE_MOE_STREAM_FRAMES", frames)
+        llm = bindings.Llama(model, moe_stream_cache_mb=4, n_gpu_layers=0, n_ubatch=1, n_batch=512, verbose=False, seed=0)
+        llm(PROMPT, max_tokens=2, temperature=0)  # first touches: buffers, frames, every expert's end pages
+        llm.reset()
+        f0, r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, llm.moe_stream_stats().read_mib
+        llm(PROMPT, max_tokens=8, temperature=0)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        read = llm.moe_stream_stats().read_mib - r0
+        llm.close()
+        assert read > 100, read
+        return faults / (read * MIB / 4096)
+
+    moved, off = faults_per_page_read(None), faults_per_page_read("0")
+    assert off > 0.5 and moved < 0.05, (moved, off)
