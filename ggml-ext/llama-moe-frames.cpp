@@ -2,7 +2,6 @@
 
 #include "llama-moe-frames.h"
 
-#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -11,12 +10,7 @@
 #if defined(__linux__)
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <unistd.h>
-
-// prctl's anonymous VMA names (Linux 5.17)
-static constexpr int LLAMA_MOE_PR_SET_VMA           = 0x53564d41;
-static constexpr int LLAMA_MOE_PR_SET_VMA_ANON_NAME = 0;
 #endif
 
 #if defined(__linux__)
@@ -30,32 +24,12 @@ static void llama_moe_frames_to_anon(uint8_t * addr, size_t len, const char * wh
 }
 #endif
 
-bool llama_moe_frames::init(int64_t n_entries, size_t frame_pages, int64_t max_frames, bool use_memfd, std::string & err) {
+bool llama_moe_frames::init(int64_t n_entries, size_t frame_pages, int64_t max_frames, std::string & err) {
     close();
 #if defined(__linux__) && defined(MFD_CLOEXEC)
     if (frame_pages == 0 || max_frames <= 0) {
         err = "no whole page inside an expert, or no mapping to spare";
         return false;
-    }
-    if (!use_memfd) {
-        frame_bytes = frame_pages * (size_t) sysconf(_SC_PAGESIZE);
-        park_bytes  = frame_bytes * (size_t) max_frames;
-        void * p = mmap(nullptr, park_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (p == MAP_FAILED) {
-            err = std::string("cannot reserve the frames' park: ") + strerror(errno);
-            park_bytes = 0;
-            return false;
-        }
-        park = (uint8_t *) p;
-        // the park's mappings carry a name, which moves with the pages: /proc/PID/smaps shows every frame page,
-        // parked or at an expert, as [anon:pybmoe-moe-frames] (kernels without anonymous VMA names: unnamed)
-        prctl(LLAMA_MOE_PR_SET_VMA, LLAMA_MOE_PR_SET_VMA_ANON_NAME, (unsigned long) park, park_bytes,
-              (unsigned long) "pybmoe-moe-frames");
-        max_n = max_frames;
-        parked.assign((size_t) max_frames, frame_bytes);
-        moved.assign((size_t) n_entries, 0);
-        frame_of.assign((size_t) n_entries, -1);
-        return true;
     }
     fd = memfd_create("pybmoe-moe-frames", MFD_CLOEXEC);
     if (fd < 0) {
@@ -78,8 +52,8 @@ bool llama_moe_frames::map(int32_t entry, uint8_t * addr, size_t len) {
     int32_t f = -1;
     {
         std::lock_guard<std::mutex> lock(mutex);
-        if (!on() || frame_of[entry] >= 0) {
-            return on();
+        if (fd < 0 || frame_of[entry] >= 0) {
+            return fd >= 0;
         }
         if (len == 0) {
             return true;
@@ -87,9 +61,7 @@ bool llama_moe_frames::map(int32_t entry, uint8_t * addr, size_t len) {
         if (!free_list.empty()) {
             f = free_list.back();
             free_list.pop_back();
-        } else if (park != nullptr && n_made < max_n) {
-            f = (int32_t) n_made++; // a new frame: its pages are faulted in by the first read into them
-        } else if (park == nullptr && n_made < max_n) {
+        } else if (n_made < max_n) {
             // a new frame: the file grows (sparse); its pages are allocated when first mapped
             if (ftruncate(fd, (off_t) ((n_made + 1) * (int64_t) frame_bytes)) != 0) {
                 return false;
@@ -100,20 +72,6 @@ bool llama_moe_frames::map(int32_t entry, uint8_t * addr, size_t len) {
         }
         frame_of[entry] = f;
         n_used++;
-    }
-    if (park != nullptr) {
-        // the frame's parked pages (one mapping) move to the interior; an interior longer than them gets
-        // its last page faulted in by the read, a shorter one leaves the rest parked
-        const size_t n = std::min(len, parked[f]);
-        if (n == 0 || mremap(park + (size_t) f * frame_bytes, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, addr) == MAP_FAILED) {
-            std::lock_guard<std::mutex> lock(mutex);
-            frame_of[entry] = -1; // a failed mremap moves nothing: the interior keeps its anonymous memory
-            n_used--;
-            free_list.push_back(f);
-            return false;
-        }
-        moved[entry] = n;
-        return true;
     }
     if (mmap(addr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd, (off_t) f * (off_t) frame_bytes) == MAP_FAILED) {
         // back to anonymous memory (a failed MAP_FIXED may have unmapped the range); the entry then faults
@@ -137,29 +95,12 @@ bool llama_moe_frames::unmap(int32_t entry, uint8_t * addr, size_t len) {
     int32_t f = -1;
     {
         std::lock_guard<std::mutex> lock(mutex);
-        if (!on() || frame_of[entry] < 0) {
+        if (fd < 0 || frame_of[entry] < 0) {
             return false;
         }
         f = frame_of[entry];
         frame_of[entry] = -1;
         n_used--;
-    }
-    if (park != nullptr) {
-        // the pages move back to the frame's place in park (one mapping again), the interior gets
-        // uncommitted anonymous memory; its pages past the moved ones were its own: dropped
-        const size_t n = moved[entry];
-        if (mremap(addr, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, park + (size_t) f * frame_bytes) == MAP_FAILED) {
-            fprintf(stderr, "llama_moe_frames: cannot move an expert's pages back to its frame: %s\n", strerror(errno));
-            abort();
-        }
-        llama_moe_frames_to_anon(addr, n, "refill an expert's range after its frame left");
-        if (len > n) {
-            madvise(addr + n, len - n, MADV_DONTNEED);
-        }
-        std::lock_guard<std::mutex> lock(mutex);
-        parked[f] = n;
-        free_list.push_back(f);
-        return true;
     }
     llama_moe_frames_to_anon(addr, len, "give an expert's frame back");
     std::lock_guard<std::mutex> lock(mutex);
@@ -175,11 +116,7 @@ void llama_moe_frames::trim() {
 #if defined(__linux__)
     std::lock_guard<std::mutex> lock(mutex);
     for (int32_t f : free_list) {
-        if (park != nullptr) {
-            madvise(park + (size_t) f * frame_bytes, frame_bytes, MADV_DONTNEED); // the parked pages and any left over
-        } else {
-            fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t) f * (off_t) frame_bytes, (off_t) frame_bytes);
-        }
+        fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t) f * (off_t) frame_bytes, (off_t) frame_bytes);
     }
 #endif
 }
@@ -189,15 +126,8 @@ void llama_moe_frames::close() {
     if (fd >= 0) {
         ::close(fd);
     }
-    if (park != nullptr) {
-        munmap(park, park_bytes);
-    }
 #endif
     fd = -1;
-    park = nullptr;
-    park_bytes = 0;
-    parked.clear();
-    moved.clear();
     frame_of.clear();
     free_list.clear();
     n_made = n_used = 0;

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Page frames moved (mremap, the default) against memfd frames (PYBMOE_MOE_STREAM_FRAMES=memfd) and stock
 mmap, at the defaults (--moe-stream-cache-mb auto), under the limit (the file's size / FACTOR), cold,
-rotating rounds.
+rotating rounds. It needs the engine of commit e45111d (moved frames, PYBMOE_MOE_STREAM_FRAMES=memfd for the
+old way); main keeps the memfd frames (docs/stream-tier.md, "Not done yet").
 
 Usage: run-frames.py ROUNDS OUT.csv pp|tg FACTOR ROUTING [-p N] [-ub N] NAME=MODEL.gguf ...
 (traces: /work/traces/ROUTING-NAME.csv; pp: -p N prompt tokens (32), tg: 32 tokens)."""
