@@ -373,14 +373,7 @@ void llama_moe_reader::lane_main(int32_t il) {
 void llama_moe_reader::submit(const std::vector<llama_moe_read> & jobs) {
     std::string ignored;
     wait(ignored); // one batch at a time (an earlier error was reported by its own wait)
-    std::unique_lock<std::mutex> lock(mutex);
-    owned     = jobs;
-    batch     = &owned;
-    next_job  = 0;
-    batch_err.clear();
-    batch_id++;
-    n_working = 0;
-    cv_work.notify_all();
+    append(jobs);  // no batch now: a new one (none at all when `jobs` is empty, which wait() takes as done)
 }
 
 void llama_moe_reader::append(const std::vector<llama_moe_read> & jobs) {
@@ -388,7 +381,7 @@ void llama_moe_reader::append(const std::vector<llama_moe_read> & jobs) {
         return;
     }
     std::unique_lock<std::mutex> lock(mutex);
-    if (batch == nullptr) {
+    if (batch == nullptr) { // a new batch (submit() comes here too)
         owned    = jobs;
         batch    = &owned;
         next_job = 0;

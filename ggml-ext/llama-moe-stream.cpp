@@ -160,21 +160,11 @@ void llama_moe_stream::interior(int32_t entry, int p, uint8_t * & addr, size_t &
 }
 
 void llama_moe_stream::release(const std::vector<int32_t> & entries) {
-#if !defined(_WIN32)
     for (int32_t entry : entries) {
-        const auto & l = layers[entry / lru.n_expert];
-        for (int p = 0; p < l.n_proj; ++p) {
-            uint8_t * addr = nullptr;
-            size_t    len  = 0;
-            interior(entry, p, addr, len);
-            if (!frames[p].unmap(entry, addr, len) && len > 0) {
-                madvise(addr, len, MADV_DONTNEED);
-            }
+        for (int p = 0; p < layers[entry / lru.n_expert].n_proj; ++p) {
+            release_proj(entry, p);
         }
     }
-#else
-    GGML_UNUSED(entries);
-#endif
 }
 
 void llama_moe_stream::release_proj(int32_t entry, int p) {
