@@ -364,9 +364,10 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                 __func__, st.reader.fallback_reason.c_str());
     }
     // page frames (llama-moe-frames.h), one pool per projection: an entry's interior pages there in one frame.
-    // Each mapped interior splits its reservation into up to 2 more mappings; the frames stop at a quarter
-    // of vm.max_map_count (65530 by default), so that the process keeps most of it (an entry past that keeps
-    // anonymous pages). PYBMOE_MOE_STREAM_FRAMES=0 turns them off (the A/B of docs/stream-tier.md)
+    // Each mapped interior splits its reservation into up to 2 more mappings (and, moved, its frame's place
+    // in the park into up to 2 more); the frames stop at a quarter of vm.max_map_count (65530 by default), so
+    // that the process keeps most of it (an entry past that keeps anonymous pages). PYBMOE_MOE_STREAM_FRAMES=0
+    // turns them off, =memfd maps memfd pages instead of moving anonymous ones (the A/Bs of docs/stream-tier.md)
     {
         const size_t pg = (size_t) page;
         int64_t max_map_count = 65530;
@@ -378,9 +379,10 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             fclose(f);
         }
         const int64_t n_entries  = (int64_t) n_expert * (int64_t) st.layers.size();
-        const int64_t max_frames = std::min<int64_t>(n_entries, max_map_count / 4 / std::max(1, 2 * n_proj_max));
-        const char * fr_env = getenv("PYBMOE_MOE_STREAM_FRAMES");
-        const bool   fr_off = fr_env && atoi(fr_env) == 0;
+        const char * fr_env   = getenv("PYBMOE_MOE_STREAM_FRAMES");
+        const bool   fr_memfd = fr_env && strcmp(fr_env, "memfd") == 0;
+        const bool   fr_off   = fr_env && !fr_memfd && atoi(fr_env) == 0;
+        const int64_t max_frames = std::min<int64_t>(n_entries, max_map_count / 4 / std::max(1, (fr_memfd ? 2 : 4) * n_proj_max));
         std::string why;
         size_t frame_bytes = 0;
         bool on = !fr_off;
@@ -391,7 +393,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
                     most = std::max(most, l.expert_nbytes[p] / pg);
                 }
             }
-            on = st.frames[p].init(n_entries, most, max_frames, why);
+            on = st.frames[p].init(n_entries, most, max_frames, fr_memfd, why);
             frame_bytes += most * pg;
         }
         if (!on) {
@@ -402,9 +404,9 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         if (fr_off) {
             LLAMA_LOG("%s: moe-stream: page frames off (PYBMOE_MOE_STREAM_FRAMES=0): each miss faults in fresh pages\n", __func__);
         } else if (on) {
-            LLAMA_LOG("%s: moe-stream: page frames: an evicted expert's %.0f KiB of whole pages go to a later miss (memfd), "
+            LLAMA_LOG("%s: moe-stream: page frames: an evicted expert's %.0f KiB of whole pages go to a later miss (%s), "
                     "up to %lld experts (a quarter of vm.max_map_count %lld)\n", __func__, frame_bytes / 1024.0,
-                    (long long) max_frames, (long long) max_map_count);
+                    st.frames[0].moves() ? "moved" : fr_memfd ? "memfd, PYBMOE_MOE_STREAM_FRAMES=memfd" : "memfd: this kernel has no MREMAP_DONTUNMAP", (long long) max_frames, (long long) max_map_count);
         } else {
             LLAMA_LOG_WARN("%s: moe-stream: WARNING no page frames (%s): each miss faults in fresh pages, which costs CPU\n",
                     __func__, why.c_str());
