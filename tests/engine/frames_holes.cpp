@@ -1,12 +1,13 @@
 // The moved page frames (ggml-ext/llama-moe-frames.h) against the hole they once left: built and run by
 // tests/engine/test_stream_frames.py::test_moved_frames_leave_no_hole_in_the_park_or_an_experts_range.
 //
-// Sets up a park of 16 frames of 8 pages, moves
-// frames out to 12 experts and back, and after each step asks the kernel for every page of the park and
-// of the experts' reservation with mmap(MAP_FIXED_NOREPLACE): it succeeds only on an unmapped page, a
-// hole that any other mapping of the process could have taken. Also checks that the pages moved, not
-// copied or zeroed: an expert that gets a frame back sees the bytes its last holder wrote.
-// Prints "holes N" per step and "ok" at the end; exits 1 on any hole or wrong byte.
+// Sets up a park of 16 frames of 8 pages, moves frames out to 12 experts and back, and after each step
+// asks the kernel for every page of the park and of the experts' reservation with
+// mmap(MAP_FIXED_NOREPLACE): it succeeds only on an unmapped page, a hole that any other mapping of the
+// process could have taken. Also checks that the pages moved, not copied or zeroed: an expert that gets
+// a frame back sees the bytes its last holder wrote.
+// Prints "holes N" per step and "ok" at the end; exits 1 on any hole or wrong byte, 3 when this kernel
+// gives no moved frames (no MREMAP_DONTUNMAP: the frames fall back to memfd).
 
 #include "llama-moe-frames.h"
 
@@ -42,7 +43,7 @@ int main() {
     std::string err;
     if (!fr.init(n_entries, frame_pages, n_frames, false, err) || !fr.moves()) {
         printf("no moved frames: %s\n", err.c_str());
-        return 2;
+        return 3;
     }
     const unsigned long park_lo = (unsigned long) fr.park_addr(), park_hi = park_lo + fr.park_size();
     if (fr.park_size() != n_frames * fb) {

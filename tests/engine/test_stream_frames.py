@@ -133,7 +133,6 @@ def test_moved_frames_hand_their_pages_on_without_faults(model, monkeypatch):
     assert off > 0.5 and moved < 0.05, (moved, off)
 
 
-
 def test_moved_frames_leave_no_hole_in_the_park_or_an_experts_range(tmp_path):
     """A frame moved out of the park, or back, leaves its source mapped (MREMAP_DONTUNMAP): at no point is
     a page of the park or of the experts' reservation unmapped, where any other mapping of the process
@@ -154,5 +153,7 @@ def test_moved_frames_leave_no_hole_in_the_park_or_an_experts_range(tmp_path):
                     str(repo / "tests" / "engine" / "frames_holes.cpp"), str(repo / "ggml-ext" / "llama-moe-frames.cpp")],
                    check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True)
+    if out.returncode == 3:
+        pytest.skip(f"this kernel gives no moved frames (Linux < 5.7: memfd frames instead): {out.stdout.strip()}")
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ok", out.stdout + out.stderr
     assert out.stdout.count("holes 0") == 4, out.stdout
