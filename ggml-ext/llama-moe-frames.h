@@ -28,9 +28,10 @@
 // So the bytes, the addresses and the policy are those of the anonymous reservation; only where the
 // pages come from differs.
 //
-// Holds: the park or the memfd, the frame of each entry, the free list and the map/unmap calls. Must not hold:
-// the policy (llama-moe-residency.h) or the reads (llama-moe-source.h). Linux only; elsewhere, or
-// when the memfd cannot be made, every entry keeps anonymous pages (on() is false).
+// Holds: the park (or the memfd), the frame of each entry, the free list and the move/map calls. Must
+// not hold: the policy (llama-moe-residency.h) or the reads (llama-moe-source.h). Linux only;
+// elsewhere, or when the park (or the memfd) cannot be made, every entry keeps anonymous pages (on()
+// is false).
 
 #include <cstddef>
 #include <cstdint>

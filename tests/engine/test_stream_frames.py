@@ -9,6 +9,9 @@ read many times the budget, and drops with a shrink.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -140,10 +143,6 @@ def test_moved_frames_leave_no_hole_in_the_park_or_an_experts_range(tmp_path):
     the segmentation fault docs/stream-tier.md tells of. And the pages move, not copied or zeroed.
     tests/engine/frames_holes.cpp, built here against ggml-ext/llama-moe-frames.cpp, asks the kernel for
     every page with mmap(MAP_FIXED_NOREPLACE) after each step."""
-    import shutil
-    import subprocess
-    from pathlib import Path
-
     repo = Path(__file__).resolve().parents[2]
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
