@@ -57,6 +57,16 @@ its reads ran at the probe's rate and its compute at the all-resident point's (i
 - ``overlap_limit_ts`` = 1 / max(miss / probe, compute): reads wholly hidden behind compute;
 - ``vs_limit`` and ``vs_overlap_limit``: the measured tok/s over each.
 
+**The chain limit** (:func:`chain_limit_ts`, decode; ``tools/bench-stream-chain.py`` reports it). A
+layer's misses are known only once its router has run, and its router needs the layer before it. So
+the reads of a token can hide behind that token's expert matmuls only, never behind its dense part
+(attention, norms, router, output): no engine that reads what the router chose, without guessing it
+ahead, beats 1 / (dense + max(miss / probe, expert)) per token. That is ``chain_limit_ts``, with
+``expert`` the expert matmuls' share of the all-resident token (:func:`expert_seconds`, measured
+against a twin of the model with narrow experts) and ``dense`` the rest. It lies between
+``limit_ts`` and ``overlap_limit_ts``, and equals the latter only when the reads dominate
+(``docs/stream-tier.md``, "The chain limit").
+
 Both are NaN without a ``resident`` point or a probe. The token counts include llama-bench's warm-up
 (one token or one prompt, read from an empty cache), so a short run's misses per token are high and
 its limit low; compare points of one run. The probe reads as decode's misses are read; prefill reads
@@ -240,12 +250,50 @@ def limit_ts(miss_mib_per_token, probe_mib_s, compute_s_per_token, *, overlap: b
     return float(out) if out.ndim == 0 else out
 
 
-def limit_columns(ts, miss_mib_per_token, probe_mib_s, compute_s_per_token) -> dict:
+def chain_limit_ts(miss_mib_per_token, probe_mib_s, compute_s_per_token, expert_s_per_token):
+    """The chain limit of a run (module doc), tok/s: 1 / (dense + max(miss / probe, expert)), with
+    ``expert`` the seconds per token of the expert matmuls (:func:`expert_seconds`) and dense = compute -
+    expert the rest of the all-resident token. Arguments are MiB per token, MiB/s and seconds per token,
+    scalars or arrays; NaN where an input is NaN, a bandwidth is not positive or ``expert`` is not in
+    [0, compute]."""
+    miss = np.asarray(miss_mib_per_token, dtype=float)
+    bw = np.asarray(probe_mib_s, dtype=float)
+    compute = np.asarray(compute_s_per_token, dtype=float)
+    expert = np.asarray(expert_s_per_token, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        read = np.where(bw > 0, miss / bw, np.nan)
+        ok = (expert >= 0) & (expert <= compute)
+        t = np.where(ok, compute - expert + np.maximum(read, expert), np.nan)
+        out = np.where(t > 0, 1.0 / t, np.nan)
+    return float(out) if out.ndim == 0 else out
+
+
+def expert_seconds(ts, twin_ts, n_ff, twin_n_ff) -> float:
+    """Seconds per token of a model's expert matmuls, from its all-resident tok/s ``ts`` and that of its
+    narrow twin ``twin_ts``: the same model with every expert's FFN width ``twin_n_ff`` instead of
+    ``n_ff`` (elements; ``pybmoe-make-synth --n-ff-exp``), so the same dense weights, router and
+    top-k. The expert matmuls' time scales with the width, the rest does not: expert =
+    (1/ts - 1/twin_ts) * n_ff / (n_ff - twin_n_ff). Raises :class:`ValueError` unless
+    0 < twin_n_ff < n_ff and both speeds are positive. Can come out negative (or above 1/ts) when the
+    two runs are noise apart; :func:`chain_limit_ts` then gives NaN."""
+    if not 0 < twin_n_ff < n_ff:
+        raise ValueError(f"the twin's expert width must be below the model's: {twin_n_ff} vs {n_ff}")
+    if not (ts > 0 and twin_ts > 0):
+        raise ValueError(f"speeds must be positive: {ts}, {twin_ts} tok/s")
+    return (1.0 / ts - 1.0 / twin_ts) * n_ff / (n_ff - twin_n_ff)
+
+
+def limit_columns(ts, miss_mib_per_token, probe_mib_s, compute_s_per_token, expert_s_per_token=None) -> dict:
     """A run's limit columns (module doc) from its measured tok/s and :func:`limit_ts`'s inputs:
-    ``limit_ts``, ``overlap_limit_ts``, ``vs_limit`` and ``vs_overlap_limit`` (scalars or arrays)."""
+    ``limit_ts``, ``overlap_limit_ts``, ``vs_limit`` and ``vs_overlap_limit`` (scalars or arrays); with
+    ``expert_s_per_token`` (:func:`expert_seconds`) also ``chain_limit_ts`` and ``vs_chain_limit``."""
     lim = limit_ts(miss_mib_per_token, probe_mib_s, compute_s_per_token)
     olim = limit_ts(miss_mib_per_token, probe_mib_s, compute_s_per_token, overlap=True)
-    return dict(limit_ts=lim, overlap_limit_ts=olim, vs_limit=ts / lim, vs_overlap_limit=ts / olim)
+    out = dict(limit_ts=lim, overlap_limit_ts=olim, vs_limit=ts / lim, vs_overlap_limit=ts / olim)
+    if expert_s_per_token is not None:
+        clim = chain_limit_ts(miss_mib_per_token, probe_mib_s, compute_s_per_token, expert_s_per_token)
+        out.update(chain_limit_ts=clim, vs_chain_limit=ts / clim)
+    return out
 
 
 def resident_ts(model: Path, mode: str, log_dir: Path, name: str, *, n_prompt: int, n_gen: int,

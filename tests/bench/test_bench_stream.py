@@ -105,6 +105,38 @@ def test_the_limit_by_hand():
     assert got == pytest.approx([1 / 0.5, 1 / 0.2])
 
 
+def test_the_chain_limit_by_hand():
+    """100 MiB a token at 1000 MiB/s (0.1 s of reads), 0.05 s of compute of which 0.02 s expert
+    matmuls: the reads hide behind the expert matmuls only, so 1 / (0.03 + 0.1) s; with reads shorter
+    than the expert matmuls the token is its compute. It lies between the serial and the overlapped
+    limit. An expert share outside [0, compute] (two resident runs noise apart) gives no limit."""
+    assert stream.chain_limit_ts(100, 1000, 0.05, 0.02) == pytest.approx(1 / 0.13)
+    assert stream.chain_limit_ts(10, 1000, 0.05, 0.02) == pytest.approx(20.0)
+    assert stream.limit_ts(100, 1000, 0.05) < stream.chain_limit_ts(100, 1000, 0.05, 0.02) \
+        < stream.limit_ts(100, 1000, 0.05, overlap=True)
+    assert stream.chain_limit_ts(100, 1000, 0.05, 0.0) == pytest.approx(stream.limit_ts(100, 1000, 0.05))
+    assert stream.chain_limit_ts(100, 1000, 0.05, 0.05) == pytest.approx(stream.limit_ts(100, 1000, 0.05, overlap=True))
+    assert np.isnan(stream.chain_limit_ts(100, 1000, 0.05, -0.001))
+    assert np.isnan(stream.chain_limit_ts(100, 1000, 0.05, 0.06))
+    got = stream.chain_limit_ts(np.array([100.0, 10.0]), 1000.0, np.array([0.05, 0.05]), np.array([0.02, 0.02]))
+    assert got == pytest.approx([1 / 0.13, 20.0])
+    cols = stream.limit_columns(5.0, 100, 1000, 0.05, 0.02)
+    assert cols["vs_chain_limit"] == pytest.approx(5.0 * 0.13)
+    assert "chain_limit_ts" not in stream.limit_columns(5.0, 100, 1000, 0.05)
+
+
+def test_the_expert_share_from_a_narrow_twin():
+    """A model at 40 tok/s (25 ms), its twin with experts 256 wide instead of 512 at 50 tok/s (20 ms):
+    the 5 ms between them are half the expert matmuls, so 10 ms. A twin as wide as the model, or a
+    speed of 0, is refused."""
+    assert stream.expert_seconds(40.0, 50.0, 512, 256) == pytest.approx(0.010)
+    assert stream.expert_seconds(40.0, 50.0, 768, 32) == pytest.approx(0.005 * 768 / 736)
+    with pytest.raises(ValueError, match="width"):
+        stream.expert_seconds(40.0, 50.0, 512, 512)
+    with pytest.raises(ValueError, match="positive"):
+        stream.expert_seconds(0.0, 50.0, 512, 256)
+
+
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
     model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
     assert cli.main(["-m", str(model), "--out", str(tmp_path), "--budgets", "lots"]) == 2
