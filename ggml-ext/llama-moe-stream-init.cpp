@@ -429,6 +429,17 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         st.overlap_auto    = !ov_off && !ov_on;
         st.n_cpus          = llama_moe_online_cpus();
         st.overlap = !ov_off && hook;
+        // where every CPU computes, auto times its first decode tokens each way (llama-moe-overlap.h)
+        if (const char * tr = getenv("PYBMOE_MOE_STREAM_OVERLAP_TRIAL"); tr && tr[0] != '\0') {
+            char * end = nullptr;
+            const long n = strtol(tr, &end, 10);
+            if (*end != '\0' || n < 1 || n > 1000) {
+                LLAMA_LOG_WARN("%s: moe-stream: WARNING PYBMOE_MOE_STREAM_OVERLAP_TRIAL=%s; accepted: 1 .. 1000 decode "
+                        "tokens each way; using %d\n", __func__, tr, st.overlap_trial.n_each);
+            } else {
+                st.overlap_trial.n_each = (int32_t) n;
+            }
+        }
         if (st.overlap || st.waves_on) { // the flags and the hook's map, only when they may be used
             st.inflight.init((int64_t) n_expert * (int64_t) st.layers.size(), LLAMA_MOE_N_PROJ);
             for (const auto & l : st.layers) {

@@ -246,6 +246,10 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     {
         std::unique_lock<std::mutex> lock(mutex);
         lru.step(li, want.data(), (int64_t) want.size(), hit, admitted, evicted, passed);
+        if (li == 0) {
+            time_overlap(std::chrono::duration_cast<std::chrono::microseconds>(t0.time_since_epoch()).count(),
+                    !lru.wants_half());
+        }
         l.hits_now.assign(n_used * n_rows, -1);
         for (size_t i = 0; i < want.size(); ++i) {
             l.hits_now[where[i]] = hit[i];
@@ -592,12 +596,30 @@ void llama_moe_stream::update_overlap() {
         if (spare) {
             LLAMA_LOG("llama_moe_stream: moe-stream: reads behind compute: on (auto): %d compute thread(s) of %d CPUs "
                     "leave the read lanes a core; a decode step's misses are read while the layer computes\n", most, n_cpus);
+        } else if (overlap_trial.decided()) {
+            LLAMA_LOG("llama_moe_stream: moe-stream: reads behind compute: %s (auto, timed): %d compute thread(s) take all "
+                    "%d CPUs; the decode tokens timed before were faster %s them\n", overlap_trial.answer() ? "on" : "off",
+                    most, n_cpus, overlap_trial.answer() ? "with" : "without");
         } else {
-            LLAMA_LOG("llama_moe_stream: moe-stream: reads behind compute: off (auto): %d compute thread(s) take all %d "
-                    "CPUs, and the read lanes would wait for one (PYBMOE_MOE_STREAM_OVERLAP=1 forces it)\n", most, n_cpus);
+            LLAMA_LOG("llama_moe_stream: moe-stream: reads behind compute: timed (auto): %d compute thread(s) take all %d "
+                    "CPUs, where it may win or lose: the first decode tokens alternate with and without it (%d each way), "
+                    "and the faster way stays (PYBMOE_MOE_STREAM_OVERLAP=1 or 0 decides)\n", most, n_cpus, overlap_trial.n_each);
         }
     }
     overlap_spare = spare;
+}
+
+void llama_moe_stream::time_overlap(int64_t now_us, bool decode) {
+    if (!overlap || !overlap_auto || overlap_spare) {
+        return;
+    }
+    overlap_arm.store(overlap_trial.token(now_us, decode), std::memory_order_relaxed);
+    if (overlap_trial.decided() && !overlap_trial_said) {
+        overlap_trial_said = true;
+        LLAMA_LOG("llama_moe_stream: moe-stream: reads behind compute: %s (auto, timed): decode tokens took %.1f ms with "
+                "them, %.1f ms without (medians of %d tokens each)\n", overlap_trial.answer() ? "on" : "off",
+                overlap_trial.median_on_us / 1e3, overlap_trial.median_off_us / 1e3, overlap_trial.n_each);
+    }
 }
 
 void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output,

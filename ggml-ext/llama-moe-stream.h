@@ -15,6 +15,7 @@
 
 #include "llama-moe-frames.h"
 #include "llama-moe-inflight.h"
+#include "llama-moe-overlap.h"
 #include "llama-moe-residency.h"
 #include "llama-moe-source.h"
 #include "llama-moe-vram.h"
@@ -240,21 +241,29 @@ struct llama_moe_stream {
     // docs/stream-tier.md), a prefill step, or a CPU backend without the hook: the step reads every miss
     // before the layer computes.
     // PYBMOE_MOE_STREAM_OVERLAP unset (or auto): on while every live context's compute threads leave at
-    // least one of the process's CPUs to the read lanes (n_cpus: its affinity mask), off otherwise;
-    // 1: always on; 0: off. `overlap`: the flags and the hook are set up (1 or auto); `overlap_auto`: the
-    // auto rule decides; `overlap_spare`: its answer for the live contexts
+    // least one of the process's CPUs to the read lanes (n_cpus: its affinity mask); where they take every
+    // CPU, timed: the first decode tokens alternate with and without, and the faster way stays
+    // (llama-moe-overlap.h); 1: always on; 0: off. `overlap`: the flags and the hook are set up (1 or auto);
+    // `overlap_auto`: the auto rule decides; `overlap_spare`: its answer for the live contexts;
+    // `overlap_arm`: the trial's way for the ubatch being computed
     bool               overlap       = false;
     bool               overlap_auto  = false;
     bool               overlap_spare = false;
     int                overlap_said  = -1;    // the auto rule's answer its last line gave (-1: none yet)
+    bool               overlap_trial_said = false;
+    std::atomic<bool>  overlap_arm { false };
+    llama_moe_overlap_trial overlap_trial;
     int32_t            n_cpus        = 1;
     std::map<const void *, int32_t> context_threads; // live contexts -> their compute threads
     llama_moe_inflight inflight;
 
     // whether this step may go behind compute (before the step's own decode/prefill test)
     bool overlap_now() const {
-        return overlap && (!overlap_auto || overlap_spare);
+        return overlap && (!overlap_auto || overlap_spare || overlap_arm.load(std::memory_order_relaxed));
     }
+    // the first streamed layer's step of a ubatch, at now_us: the trial's way for the ubatch, where it
+    // applies (auto, every CPU computing); one line when it decides. Under `mutex`
+    void time_overlap(int64_t now_us, bool decode);
 
     // the auto rule again, after a context came or went; one line when its answer changes
     void update_overlap();

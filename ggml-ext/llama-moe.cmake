@@ -8,6 +8,7 @@ target_sources(llama PRIVATE
     ${PYBMOE_EXT_DIR}/llama-moe-source.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-frames.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-inflight.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-overlap.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-waves.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-vram.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-vram-init.cpp

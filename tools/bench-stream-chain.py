@@ -9,8 +9,10 @@ For each model (NAME=MODEL.gguf:TWIN.gguf, the twin the same model with narrow e
    (:func:`pybmoe.bench.stream.expert_seconds`) and the compute (1 / the model's median);
 2. for each routing (``TRACES/ROUTING-NAME.csv``), under the limit file size / ``--factor``,
    ``--rounds`` rotating rounds of the points ``defaults`` (``--moe-stream-cache-mb auto`` and nothing
-   else) and ``overlap`` (the same with ``PYBMOE_MOE_STREAM_OVERLAP=1``: reads behind compute forced on
-   at 2 compute threads, where the auto rule leaves it off), ``llama-bench -n 32 -t 2``, cold; the disk
+   else), ``overlap`` and ``blocking`` (the same with ``PYBMOE_MOE_STREAM_OVERLAP=1`` and ``0``: reads
+   behind compute forced on and off at 2 compute threads, where the auto rule times both ways; the
+   first run of this tool, before that rule, had no ``blocking`` point: there the defaults were
+   blocking), ``llama-bench -n 32 -t 2``, cold; the disk
    probed (:func:`pybmoe.bench.disk.probe`) right before and right after each run, the run's bandwidth
    their mean.
 
@@ -34,7 +36,7 @@ import pandas as pd
 from pybmoe.bench import disk, stream
 from pybmoe.engine import memlimit
 
-POINTS = [("defaults", {}), ("overlap", {"PYBMOE_MOE_STREAM_OVERLAP": "1"})]
+POINTS = [("defaults", {}), ("overlap", {"PYBMOE_MOE_STREAM_OVERLAP": "1"}), ("blocking", {"PYBMOE_MOE_STREAM_OVERLAP": "0"})]
 
 
 def n_ff_exp(model: Path) -> int:

@@ -310,15 +310,41 @@ def test_reads_behind_compute_change_no_logit_and_no_hit(arch_model, ub, tmp_pat
     assert on.stream_layers == off.stream_layers and sum(m for _, m in on.stream_layers.values()) > 0
 
 
+def test_the_timed_rule_keeps_the_faster_way():
+    """The auto rule's trial where every CPU computes (ggml-ext/llama-moe-overlap.h), fed made-up token
+    times by tests/engine/overlap_trial.cpp, built here against ggml-ext/llama-moe-overlap.cpp: both ways
+    are timed, alternately; the faster one stays (on when tokens took 70 ms with and 80 ms without, off
+    at 90 against 60); a prefill ubatch and the time around it are not timed."""
+    import shutil
+    import subprocess
+    import tempfile
+    repo = Path(__file__).resolve().parents[2]
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "overlap_trial"
+        subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(repo / "ggml-ext"), "-o", str(exe),
+                        str(repo / "tests" / "engine" / "overlap_trial.cpp"),
+                        str(repo / "ggml-ext" / "llama-moe-overlap.cpp")], check=True)
+        out = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ok", out.stdout + out.stderr
+    assert "faster with: on, medians 70000 / 80000 us" in out.stdout
+    assert "faster without: off, medians 90000 / 60000 us" in out.stdout
+    assert "prefill between: not timed, on, medians 10 / 20 us" in out.stdout
+
+
 def test_reads_go_behind_compute_by_default_when_the_threads_leave_a_cpu(tmp_path):
     """PYBMOE_MOE_STREAM_OVERLAP unset (the default, overlap=auto in the preamble): with fewer compute
     threads than the process's CPUs a decode step's reads go behind compute, and one line says so; with
-    as many, they do not, and one line says why. Either way the logits and the hits are those of an
-    all-resident run and of a forced-off run."""
+    as many, the first decode tokens alternate with and without (PYBMOE_MOE_STREAM_OVERLAP_TRIAL=2: two
+    tokens each way) and the faster way stays, each in one line. Either way the logits and the hits are
+    those of an all-resident run and of a forced-off run."""
     import os
     model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
     n_cpus = len(os.sched_getaffinity(0))
     env = {k: v for k, v in os.environ.items() if k != "PYBMOE_MOE_STREAM_OVERLAP"}
+    env["PYBMOE_MOE_STREAM_OVERLAP_TRIAL"] = "2"
     mib = budgets(model, 1)["min"]
     flags = ["--moe-stream-cache-mb", str(mib)]
     for t in sorted({n_cpus, 1}, reverse=True):  # every core computing; one compute thread (a spare CPU)
@@ -328,8 +354,13 @@ def test_reads_go_behind_compute_by_default_when_the_threads_leave_a_cpu(tmp_pat
         got = run(model, tmp_path, 1, flags + threads, f"auto-{t}", env=env)
         assert re.search(r"overlap=auto$", got.log, re.M)
         if t == n_cpus:
-            assert f"reads behind compute: off (auto): {t} compute thread(s) take all {n_cpus} CPUs" in got.log
-            assert "reads behind compute: on" not in got.log
+            assert f"reads behind compute: timed (auto): {t} compute thread(s) take all {n_cpus} CPUs" in got.log
+            assert "reads behind compute: on (auto):" not in got.log
+            said = re.findall(r"reads behind compute: (on|off) \(auto, timed\): decode tokens took ([\d.]+) ms with "
+                              r"them, ([\d.]+) ms without \(medians of 2 tokens each\)", got.log)
+            assert len(said) == 1, got.log
+            way, with_ms, without_ms = said[0]
+            assert (way == "on") == (float(with_ms) < float(without_ms))
         else:
             assert f"reads behind compute: on (auto): {t} compute thread(s) of {n_cpus} CPUs" in got.log
         assert got.logits == base.logits == off.logits and got.tokens == base.tokens
@@ -338,6 +369,8 @@ def test_reads_go_behind_compute_by_default_when_the_threads_leave_a_cpu(tmp_pat
     bad = run(model, tmp_path, 1, flags, "auto-bad", env={**env, "PYBMOE_MOE_STREAM_OVERLAP": "yes"})
     assert "PYBMOE_MOE_STREAM_OVERLAP=yes; accepted: 0, 1 or auto; using auto" in bad.log
     assert re.search(r"overlap=auto$", bad.log, re.M)
+    bad = run(model, tmp_path, 1, flags, "trial-bad", env={**env, "PYBMOE_MOE_STREAM_OVERLAP_TRIAL": "0"})
+    assert "PYBMOE_MOE_STREAM_OVERLAP_TRIAL=0; accepted: 1 .. 1000 decode tokens each way; using 4" in bad.log
 
 
 @pytest.mark.parametrize("overlap", ["1", "0"])
