@@ -414,9 +414,9 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     }
     // reads behind compute (llama-moe-inflight.h): the layer's MUL_MAT_IDs wait for each expert's bytes.
     // PYBMOE_MOE_STREAM_OVERLAP=1 on, 0 off, unset or auto: on while the contexts' compute threads leave a
-    // CPU to the read lanes (llama_moe_stream::update_overlap). With every core computing it did not pay
-    // (2 cores, -t 2: parity or slower); with a core left it did (-t 1: +21 % at A, +29 % at B, parity at
-    // C against -t 1 blocking; docs/stream-tier.md, "Reads behind compute")
+    // CPU to the read lanes (llama_moe_stream::update_overlap), where it did pay (-t 1: +21 % at A, +29 % at
+    // B, parity at C against -t 1 blocking); timed where every core computes, where it won on one machine
+    // and lost on another (llama-moe-overlap.h; docs/stream-tier.md, "Reads behind compute")
     {
         const char * ov_env = getenv("PYBMOE_MOE_STREAM_OVERLAP");
         const bool   ov_set = ov_env && ov_env[0] != '\0' && strcmp(ov_env, "auto") != 0;

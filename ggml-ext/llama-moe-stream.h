@@ -237,9 +237,8 @@ struct llama_moe_stream {
     // Reads behind compute (decode steps, those that want less than half of their layer): a step submits
     // its reads and returns; the layer's MUL_MAT_IDs wait for each expert's bytes (patch 0033's hook), so
     // the hits and the misses already read compute while the rest are read. The bytes each expert's rows
-    // read, and so the output, are those of a blocking step. Off (no gain with every core computing,
-    // docs/stream-tier.md), a prefill step, or a CPU backend without the hook: the step reads every miss
-    // before the layer computes.
+    // read, and so the output, are those of a blocking step. Off (by the rule below), a prefill step, or a
+    // CPU backend without the hook: the step reads every miss before the layer computes.
     // PYBMOE_MOE_STREAM_OVERLAP unset (or auto): on while every live context's compute threads leave at
     // least one of the process's CPUs to the read lanes (n_cpus: its affinity mask); where they take every
     // CPU, timed: the first decode tokens alternate with and without, and the faster way stays

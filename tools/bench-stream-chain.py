@@ -4,8 +4,8 @@
 For each model (NAME=MODEL.gguf:TWIN.gguf, the twin the same model with narrow experts:
 ``pybmoe-make-synth ... --n-ff-exp 32``, or 256 for Q4_K):
 
-1. the all-resident decode of the model and of its twin, ``--resident-runs`` warm runs each,
-   interleaved, no limit: the expert matmuls' seconds per token
+1. the all-resident decode of the model and of its twin, ``--resident-runs`` warm runs each
+   (both files read into the page cache first), interleaved, no limit: the expert matmuls' seconds per token
    (:func:`pybmoe.bench.stream.expert_seconds`) and the compute (1 / the model's median);
 2. for each routing (``TRACES/ROUTING-NAME.csv``), under the limit file size / ``--factor``,
    ``--rounds`` rotating rounds of the points ``defaults`` (``--moe-stream-cache-mb auto`` and nothing
@@ -73,6 +73,8 @@ def main() -> None:
     for name, model, twin in models:
         ff, tff = n_ff_exp(model), n_ff_exp(twin)
         ts = {"model": [], "twin": []}
+        stream.warm_page_cache(model)  # all resident: every page in RAM before the timed runs
+        stream.warm_page_cache(twin)
         for i in range(a.resident_runs):
             for kind, path in (("model", model), ("twin", twin))[::1 if i % 2 == 0 else -1]:
                 r = stream.run_point(path, stream.StreamPoint("resident"), "tg", limit=None, cold=False,

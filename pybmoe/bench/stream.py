@@ -296,11 +296,22 @@ def limit_columns(ts, miss_mib_per_token, probe_mib_s, compute_s_per_token, expe
     return out
 
 
+def warm_page_cache(path: Path) -> None:
+    """Reads the whole file once (buffered, 8 MiB at a time), so that its pages are in the page cache
+    before a warm run: a run after a cold one (which drops the cache) would otherwise read its experts
+    from the disk as it first routes to them, and time the disk (0.6 tok/s where 13 was right)."""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(8 << 20):
+            pass
+
+
 def resident_ts(model: Path, mode: str, log_dir: Path, name: str, *, n_prompt: int, n_gen: int,
                 runs: int = 3) -> float:
     """The all-resident speed of ``model`` in ``mode``, tok/s: the median of ``runs`` warm runs without a
-    limit (the ``resident`` point, 2 threads), their logs ``log_dir/NAME-resident-I.log``. Raises
-    :class:`pybmoe.engine.EngineError` when a run fails."""
+    limit (the ``resident`` point, 2 threads), their logs ``log_dir/NAME-resident-I.log``; the file is read
+    into the page cache first (:func:`warm_page_cache`). Raises :class:`pybmoe.engine.EngineError` when a
+    run fails."""
+    warm_page_cache(model)
     return float(np.median([run_point(model, StreamPoint("resident"), mode, limit=None, cold=False,
                                       log_path=log_dir / f"{name}-resident-{i}.log", n_prompt=n_prompt, n_gen=n_gen,
                                       threads=2, ubatch=512, io_threads=None, floor_mib=None,
