@@ -613,9 +613,9 @@ void llama_moe_stream::time_overlap(int64_t now_us, bool decode) {
     if (!overlap || !overlap_auto || overlap_spare) {
         return;
     }
+    const bool was_decided = overlap_trial.decided();
     overlap_arm.store(overlap_trial.token(now_us, decode), std::memory_order_relaxed);
-    if (overlap_trial.decided() && !overlap_trial_said) {
-        overlap_trial_said = true;
+    if (!was_decided && overlap_trial.decided()) {
         LLAMA_LOG("llama_moe_stream: moe-stream: reads behind compute: %s (auto, timed): decode tokens took %.1f ms with "
                 "them, %.1f ms without (medians of %d tokens each)\n", overlap_trial.answer() ? "on" : "off",
                 overlap_trial.median_on_us / 1e3, overlap_trial.median_off_us / 1e3, overlap_trial.n_each);

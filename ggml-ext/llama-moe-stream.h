@@ -249,7 +249,6 @@ struct llama_moe_stream {
     bool               overlap_auto  = false;
     bool               overlap_spare = false;
     int                overlap_said  = -1;    // the auto rule's answer its last line gave (-1: none yet)
-    bool               overlap_trial_said = false;
     std::atomic<bool>  overlap_arm { false };
     llama_moe_overlap_trial overlap_trial;
     int32_t            n_cpus        = 1;

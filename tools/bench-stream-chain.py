@@ -96,8 +96,7 @@ def main() -> None:
                     k = rep % len(POINTS)
                     for label, env in POINTS[k:] + POINTS[:k]:
                         before = disk.probe(model).mib_s
-                        for var in ("PYBMOE_MOE_STREAM_OVERLAP",):
-                            os.environ.pop(var, None)
+                        os.environ.pop("PYBMOE_MOE_STREAM_OVERLAP", None)  # the caller's, too
                         os.environ.update(env)
                         try:
                             r = stream.run_point(model, stream.StreamPoint("defaults", "auto"), "tg", limit=lim,
