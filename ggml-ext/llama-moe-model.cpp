@@ -5,6 +5,7 @@
 // own logic (each is a call into its file).
 
 #include "llama-moe-model.h"
+#include "llama-moe-sigbus.h"
 
 #include "llama-impl.h"
 #include "llama-model.h"
@@ -32,9 +33,13 @@ void llama_moe_cache_record_sources(llama_model & model, const llama_model_loade
     model.moe_cache = mc;
     mc->sources.record(ml, paths);
     llama_moe_vram_fit_probe(model, paths[0]);
+    if (!model.hparams.no_alloc) {
+        llama_moe_sigbus_register(model); // a mapped file that shrinks is named, not a silent SIGBUS
+    }
 }
 
 void llama_moe_cache_free(llama_moe_cache * mc) {
+    llama_moe_sigbus_unregister(mc);
     delete mc;
 }
 

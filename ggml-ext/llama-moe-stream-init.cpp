@@ -5,6 +5,7 @@
 // Holds: load-time decisions and their log lines. Must not hold: anything that runs per step
 // (llama-moe-stream.cpp).
 
+#include "llama-moe-fit.h"
 #include "llama-moe-memory.h"
 #include "llama-moe-model.h"
 
@@ -230,15 +231,17 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     st.is_auto      = is_auto;
 
     int64_t budget = 0;
+    const int64_t limit = (int64_t) m.limit();
+    // the floor: what auto leaves free for everything it does not count (code pages, the heap, other
+    // processes), and what a fixed budget is clamped to leave. Default: 1/16 of the memory the process lives
+    // in (the cgroup's limit, else MemTotal), from 64 MiB up to the BigMoeOnEdge seed's 1536 MiB: 81 MiB in a
+    // 1300 MiB container, 1536 MiB on a 24 GiB machine
+    const bool floor_auto = floor_mib == LLAMA_MOE_STREAM_FLOOR_AUTO;
+    int64_t floor = floor_auto ? std::clamp<int64_t>(limit / 16, (int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20,
+            (int64_t) LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT << 20) : (int64_t) floor_mib << 20;
+    st.floor_bytes = floor;
+    st.cycle_bytes = (int64_t) cycle;
     if (is_auto) {
-        const int64_t limit = (int64_t) m.limit();
-        // the floor: what auto leaves free for everything it does not count (code pages, the heap, other
-        // processes). Default: 1/16 of the memory the process lives in (the cgroup's limit, else MemTotal),
-        // from 64 MiB up to the BigMoeOnEdge seed's 1536 MiB: 81 MiB in a 1300 MiB container, 1536 MiB on a
-        // 24 GiB machine
-        const bool floor_auto = floor_mib == LLAMA_MOE_STREAM_FLOOR_AUTO;
-        int64_t floor = floor_auto ? std::clamp<int64_t>(limit / 16, (int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20,
-                (int64_t) LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT << 20) : (int64_t) floor_mib << 20;
         if (pf_env == nullptr && prefetch > 0) {
             const int64_t held = ((int64_t) m.avail() - dense - floor) / entry_cost;
             prefetch = std::clamp<int64_t>(held / 8, prefetch_min, n_expert);
@@ -261,6 +264,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             if (left >= ((int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20) && (ceil_mib == 0 || ((int64_t) ceil_mib << 20) >= min_bytes)) {
                 note = format("; WARNING the floor of %.0f MiB leaves less than the minimum, so auto takes the minimum and "
                         "leaves %.0f MiB free", floor / mib, left / mib);
+                st.floor_bytes = left;
                 entries = min_entries;
                 room_entries = min_entries;
             }
@@ -501,13 +505,14 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             n_used, budget / mib, cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib, least_bytes / mib,
             (long long) st.wave_entries, st.reader.direct ? 1 : 0, st.reader.n_lanes, entry / mib, (long long) prefetch,
             !st.overlap ? "0" : st.overlap_auto ? "auto" : "1");
-    st.check_fit(); // a fixed budget that does not fit even before the contexts: one WARN now
-    if ((double) budget < cycle) {
-        // the cliff guard (the BigMoeOnEdge seed): state the fact, once, at load
-        LLAMA_LOG_WARN("%s: moe-stream: WARNING the budget of %.1f MiB is below the cache cycle of %.1f MiB (every streamed "
-                "layer's top-%d experts): under LRU one token's experts cannot all stay resident until the next token, "
-                "so the hit rate falls toward 0 and decode rereads what it evicted\n", __func__, budget / mib,
-                cycle / mib, n_used);
+    if (is_auto) {
+        st.warn_cycle(INT64_MAX); // the cliff guard (the BigMoeOnEdge seed): the fact, at load
+    } else {
+        st.fixed_bytes = budget;
+        if (st.fixed_room(0) < budget) {
+            st.clamp_fixed(0); // a budget that does not fit even before the contexts: clamped now, with a WARN
+        }
+        st.warn_cycle(INT64_MAX);
     }
     return (int32_t) st.layers.size();
 }
@@ -515,4 +520,67 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
 int32_t llama_model_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t floor_mib, int32_t ceil_mib,
                                     int32_t io_threads, int32_t n_ubatch) {
     return llama_moe_stream_init(model, budget_mib, floor_mib, ceil_mib, io_threads, n_ubatch);
+}
+
+int32_t llama_model_moe_stream_fit(llama_model * model, uint32_t * n_ctx, uint32_t * n_seq, bool unified, bool user_sized,
+                                   uint32_t n_ctx_min, llama_moe_fit_measure_cb measure, void * user_data) {
+    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    if (mc == nullptr || !mc->stream.on() || n_ctx == nullptr || n_seq == nullptr || measure == nullptr) {
+        return LLAMA_MOE_FIT_NONE;
+    }
+    auto & st = mc->stream;
+    const double mib = 1024.0 * 1024.0;
+    if (st.avail_bytes <= 0) {
+        LLAMA_LOG_WARN("%s: moe-stream: fit: the memory available is not known; each context is set aside as it is created\n", __func__);
+        return LLAMA_MOE_FIT_NONE;
+    }
+    llama_moe_fit_input in;
+    in.is_auto     = st.is_auto;
+    in.fixed_bytes = st.fixed_bytes;
+    in.room_bytes  = st.shared_room();
+    in.entry_bytes = (int64_t) st.entry_bytes;
+    in.entry_cost  = st.entry_cost;
+    in.cap_bytes   = st.is_auto ? std::min(st.auto_cap_entries * (int64_t) st.entry_bytes, st.total_bytes) : st.total_bytes;
+    in.cycle_bytes = st.cycle_bytes;
+    in.least_bytes = st.least_bytes();
+    in.margin_pct  = LLAMA_MOE_FIT_MARGIN_PCT;
+    in.n_seq       = std::max(1u, *n_seq);
+    in.unified     = unified || in.n_seq == 1;
+    in.n_ctx       = *n_ctx > 0 ? *n_ctx : model->hparams.n_ctx_train * (in.unified ? 1 : in.n_seq);
+    in.n_ctx_min   = n_ctx_min;
+    in.user_sized  = user_sized;
+    const auto plan = llama_moe_fit_make_plan(in, [&](uint32_t n, uint32_t s) { return measure(n, s, user_data); });
+    const std::string line = llama_moe_fit_describe(in, plan);
+    const std::string head = format("%.0f MiB available (limit %.0f MiB) - %.0f MiB dense weights - %.0f MiB prefetch window - "
+            "%.0f MiB floor", st.avail_bytes / mib, st.limit_bytes / mib, st.dense_bytes / mib,
+            (double) (st.prefetch_entries * st.entry_cost) / mib, st.floor_bytes / mib);
+    if (plan.status == LLAMA_MOE_PLAN_UNMEASURED) {
+        LLAMA_LOG_WARN("%s: moe-stream: %s\n", __func__, line.c_str());
+        return LLAMA_MOE_FIT_NONE;
+    }
+    if (plan.status == LLAMA_MOE_PLAN_REFUSED) {
+        LLAMA_LOG_ERROR("%s: moe-stream: %s -> %s; %s\n", __func__, head.c_str(), line.c_str(),
+                user_sized ? "give a smaller -c (or fewer -np slots, a smaller -ub) or the process more memory"
+                           : "give the process more memory, or a smaller -ub");
+        return LLAMA_MOE_FIT_ERR_REFUSED;
+    }
+    LLAMA_LOG("%s: moe-stream: %s -> %s\n", __func__, head.c_str(), line.c_str());
+    // the plan's contexts are set aside now: auto's budget and a fixed one's clamp see them before they exist
+    st.fit_ctx_bytes = plan.ctx_bytes;
+    if (st.is_auto) {
+        const int64_t before = st.budget_bytes;
+        const int64_t want   = std::max(plan.budget_bytes, st.least_bytes());
+        if (want != st.budget_bytes) {
+            st.resize(want);
+        }
+        st.warn_cycle(before);
+    } else {
+        st.clamp_fixed(plan.ctx_bytes);
+    }
+    if (plan.n_ctx != in.n_ctx || plan.n_seq != in.n_seq) {
+        *n_ctx = plan.n_ctx;
+        *n_seq = plan.n_seq;
+        return LLAMA_MOE_FIT_SHRUNK;
+    }
+    return plan.status == LLAMA_MOE_PLAN_KEPT ? LLAMA_MOE_FIT_KEPT : LLAMA_MOE_FIT_UNDER_CYCLE;
 }

@@ -532,7 +532,8 @@ int32_t llama_model_moe_stream_set_budget_mib(llama_model * model, int32_t budge
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
     const int64_t want = st.resize((int64_t) budget_mib << 20);
-    st.is_auto = false; // a budget set by hand is kept as it is when contexts come and go
+    st.is_auto = false; // a budget set by hand is kept when contexts come and go, unless they leave it no room
+    st.fixed_bytes = want;
     return (int32_t) (want >> 20);
 }
 
@@ -565,21 +566,54 @@ int64_t llama_moe_stream::auto_room() const {
     return std::min(auto_room_entries - drop, auto_cap_entries) * (int64_t) entry_bytes;
 }
 
-void llama_moe_stream::check_fit() {
+int64_t llama_moe_stream::shared_room() const {
+    if (is_auto) {
+        return auto_room_entries * entry_cost;
+    }
+    return avail_bytes - dense_bytes - prefetch_entries * entry_cost - floor_bytes;
+}
+
+int64_t llama_moe_stream::fixed_room(int64_t ctx_bytes) const {
+    const int64_t room = shared_room();
+    if (avail_bytes <= 0) {
+        return fixed_bytes; // the memory available is not known: the budget as asked
+    }
+    const int64_t entries = (room > 0 ? room / entry_cost : 0) - (ctx_bytes + entry_cost - 1) / entry_cost;
+    return std::min({ fixed_bytes, total_bytes, entries * (int64_t) entry_bytes });
+}
+
+void llama_moe_stream::clamp_fixed(int64_t ctx_bytes) {
     const double mib = 1024.0 * 1024.0;
-    const int64_t need = need_bytes();
-    if (is_auto || over_warned || avail_bytes <= 0 || need <= avail_bytes) {
+    const int64_t fit  = fixed_room(ctx_bytes);
+    const int64_t want = std::max(fit, least_bytes());
+    if (want == budget_bytes) {
         return;
     }
-    over_warned = true;
-    const int64_t other = need - (budget_bytes / (int64_t) entry_bytes) * entry_cost;
-    const int64_t fits = std::max<int64_t>(0, (avail_bytes - other) / entry_cost * (int64_t) entry_bytes);
-    LLAMA_LOG_WARN("llama_moe_stream: moe-stream: WARNING --moe-stream-cache-mb %.0f MiB does not fit: with %.0f MiB dense "
-            "weights and %.0f MiB of contexts' host memory the process needs %.0f MiB, %.0f MiB more than the %.0f MiB "
-            "available at load (limit %.0f MiB); the dense weights' pages will be reclaimed and read again (or, with "
-            "--dense-weights anon, the process may be killed); give at most %.0f MiB or auto\n",
-            budget_bytes / mib, dense_bytes / mib, contexts_bytes() / mib, need / mib, (need - avail_bytes) / mib,
-            avail_bytes / mib, limit_bytes / mib, fits / mib);
+    if (want < budget_bytes) {
+        LLAMA_LOG_WARN("llama_moe_stream: moe-stream: WARNING --moe-stream-cache-mb %.0f MiB does not fit: %.0f MiB "
+                "available at load (limit %.0f MiB) - %.0f MiB dense weights - %.0f MiB prefetch window - %.0f MiB floor - "
+                "%.1f MiB of contexts' host memory leaves %.1f MiB; clamped to %.1f MiB%s (a budget over what fits would "
+                "get the process killed as the experts are read)\n", fixed_bytes / mib, avail_bytes / mib, limit_bytes / mib,
+                dense_bytes / mib, (double) (prefetch_entries * entry_cost) / mib, floor_bytes / mib, ctx_bytes / mib,
+                std::max<int64_t>(fit, 0) / mib, want / mib,
+                fit < least_bytes() ? format(", the mechanical minimum: the process may exceed its memory by %.0f MiB (give "
+                        "it more memory, a smaller -c or -ub)", (least_bytes() - fit) / mib).c_str() : "");
+    }
+    const int64_t before = budget_bytes;
+    resize(want);
+    warn_cycle(before);
+}
+
+void llama_moe_stream::warn_cycle(int64_t before) const {
+    if ((double) budget_bytes >= (double) cycle_bytes || (double) before < (double) cycle_bytes || budget_bytes >= total_bytes) {
+        return;
+    }
+    // the cliff guard (the BigMoeOnEdge seed): state the fact each time the budget crosses under it
+    LLAMA_LOG_WARN("llama_moe_stream: moe-stream: WARNING the budget of %.1f MiB is below the cache cycle of %.1f MiB (every "
+            "streamed layer's top-%d experts): under LRU one token's experts cannot all stay resident until the next "
+            "token, so the hit rate falls toward 0 and decode rereads what it evicted%s\n", budget_bytes / (1024.0 * 1024.0),
+            cycle_bytes / (1024.0 * 1024.0), n_used,
+            contexts.empty() ? "" : " (the contexts' host memory took the rest: a smaller -c or -np gives it back)");
 }
 
 void llama_moe_stream::update_overlap() {
@@ -629,7 +663,7 @@ void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t 
     context_threads[ctx] = std::max<int32_t>(1, n_threads);
     update_overlap();
     if (!is_auto) {
-        check_fit();
+        clamp_fixed(planned_contexts_bytes());
         return;
     }
     const int64_t room = auto_room();
@@ -650,14 +684,21 @@ void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t 
                 min_bytes / mib, n_ubatch);
     }
     if (want != budget_bytes) {
+        const int64_t before = budget_bytes;
         resize(want);
+        warn_cycle(before);
     }
 }
 
 void llama_moe_stream::on_context_free(const void * ctx) {
     context_threads.erase(ctx);
     update_overlap();
-    if (contexts.erase(ctx) == 0 || !is_auto) {
+    if (contexts.erase(ctx) == 0) {
+        return;
+    }
+    fit_ctx_bytes = 0; // the plan was for the contexts at load; from here the live ones count
+    if (!is_auto) {
+        clamp_fixed(contexts_bytes());
         return;
     }
     const int64_t room = auto_room();

@@ -21,6 +21,7 @@
 #include "llama-moe-vram.h"
 #include "llama-moe-waves.h"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -117,8 +118,11 @@ struct llama_moe_stream {
     int64_t limit_bytes  = 0; // the cgroup's limit, else MemTotal
     int64_t dense_bytes  = 0; // the dense weights in host memory
     int64_t entry_cost   = 0; // an entry's bytes plus the partial pages it can commit
+    int64_t floor_bytes  = 0; // what auto leaves free (a fixed budget is clamped to leave it too)
+    int64_t cycle_bytes  = 0; // the cache cycle: every streamed layer's top-k experts (the cliff guard's figure)
+    int64_t fixed_bytes  = 0; // a fixed budget as asked (a clamp takes budget_bytes under it, never this)
+    int64_t fit_ctx_bytes = 0; // the contexts' host memory the fit planned before any was created
     std::map<const void *, int64_t> contexts; // live contexts -> their host memory (KV cache, compute, output)
-    bool    over_warned  = false;
 
     int64_t contexts_bytes() const {
         int64_t n = 0;
@@ -128,14 +132,24 @@ struct llama_moe_stream {
         return n;
     }
 
-    // what the budget and everything beside it need, bytes (the fixed budget's check)
-    int64_t need_bytes() const {
-        return (budget_bytes / (int64_t) entry_bytes + prefetch_entries) * entry_cost + dense_bytes + contexts_bytes();
+    // the contexts' host memory: the live ones, or the fit's plan for those to come when that is larger
+    int64_t planned_contexts_bytes() const {
+        return std::max(contexts_bytes(), fit_ctx_bytes);
     }
+
+    // what the budget and everything beside it need, bytes (the dense policy's check)
+    int64_t need_bytes() const {
+        return (budget_bytes / (int64_t) entry_bytes + prefetch_entries) * entry_cost + dense_bytes + planned_contexts_bytes();
+    }
+
+    // what the budget and the contexts share, bytes: the memory available at init less the dense weights, the
+    // prefetch window and the floor (auto: auto_room_entries of entry_cost)
+    int64_t shared_room() const;
 
     // a context was created (its host memory: KV cache, compute and output buffers) or freed. auto sets
     // it aside: the budget shrinks (evicting at once) or grows back, never below the mechanical minimum
-    // (a WARN says so); a fixed budget that no longer fits beside it gets one WARN with the arithmetic.
+    // (a WARN says so); a fixed budget that no longer fits beside the contexts is clamped to the largest
+    // that leaves the floor (a WARN with the arithmetic), and grows back toward what was asked as they go.
     // Called with no graph in flight. n_threads: the context's compute threads (the larger of its decode
     // and batch counts), for the overlap's auto rule (below)
     void on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output,
@@ -145,8 +159,16 @@ struct llama_moe_stream {
     // auto's budget beside the live contexts, bytes (may be under the minimum)
     int64_t auto_room() const;
 
-    // one WARN, once, when a fixed budget with the process's other memory exceeds what was available
-    void check_fit();
+    // a fixed budget beside contexts of ctx_bytes: what was asked, or less where that does not fit
+    // (shared_room less the contexts, in whole entries; may be under the minimum)
+    int64_t fixed_room(int64_t ctx_bytes) const;
+
+    // a fixed budget clamped to fixed_room(ctx_bytes) when it is over it (one WARN with the arithmetic
+    // each time the clamp goes down), or grown back toward what was asked
+    void clamp_fixed(int64_t ctx_bytes);
+
+    // one WARN whenever the budget crosses under the cache cycle (from `before` to budget_bytes)
+    void warn_cycle(int64_t before) const;
 
     // sets the budget (bytes, clamped to every expert's); a shrink evicts the least recently used at once.
     // Returns the budget set.

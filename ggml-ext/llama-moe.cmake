@@ -4,6 +4,8 @@ target_sources(llama PRIVATE
     ${PYBMOE_EXT_DIR}/llama-moe-base.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-model.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-memory.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-sigbus.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-fit.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-residency.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-source.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-frames.cpp

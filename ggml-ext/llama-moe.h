@@ -217,6 +217,33 @@ struct llama_moe_stream_stats {
 LLAMA_API int32_t llama_model_moe_stream_init(struct llama_model * model, int32_t budget_mib, int32_t floor_mib,
                                               int32_t ceil_mib, int32_t io_threads, int32_t n_ubatch);
 
+// The contexts and the budget fitted together, before any context is created (common calls it after
+// llama_model_moe_stream_init; upstream's --fit does the same for device memory). `measure` returns the
+// host memory (bytes: KV cache, compute and output buffers) of every context the run will create (the
+// main one, a draft or MTP one) at a context of n_ctx tokens in all over n_seq slots, or < 0 when it
+// cannot tell. *n_ctx: the context asked, tokens in all (0: the model's n_ctx_train per slot when not
+// unified, in all when unified); *n_seq: its slots; unified: one KV pool that every slot draws from
+// (else each slot holds n_ctx / n_seq tokens). user_sized: the user sized the context (-c, or --fit
+// off): it is never shrunk. A default context that leaves the budget under the cache cycle plus
+// LLAMA_MOE_FIT_MARGIN_PCT % shrinks: fewer slots first (when not unified), then shorter ones, never
+// under n_ctx_min tokens in all; on LLAMA_MOE_FIT_SHRUNK *n_ctx and *n_seq are the context to create.
+// One the user sized runs as asked, with the cycle WARN when the budget falls under the cycle. A fixed
+// budget that does not fit beside the contexts is clamped to the largest that leaves the floor (a WARN).
+// One line states the arithmetic. Returns LLAMA_MOE_FIT_* (below); LLAMA_MOE_FIT_ERR_REFUSED (one
+// ERROR line with the numbers) when even that context leaves the experts under the tier's mechanical
+// minimum: create no context then.
+#define LLAMA_MOE_FIT_NONE         0    // the tier is off, or the contexts could not be measured: nothing changed
+#define LLAMA_MOE_FIT_KEPT         1    // the context as asked, the budget at or above the cycle plus the margin
+#define LLAMA_MOE_FIT_SHRUNK       2    // a default context was shrunk (*n_ctx, *n_seq set)
+#define LLAMA_MOE_FIT_UNDER_CYCLE  3    // runs as asked with the budget under the cycle plus the margin
+#define LLAMA_MOE_FIT_ERR_REFUSED  (-3) // the context cannot fit beside the dense weights and the tier's minimum
+#define LLAMA_MOE_FIT_MARGIN_PCT   10   // a default context leaves the budget the cache cycle plus this, %
+#define LLAMA_MOE_FIT_CTX_MIN      4096 // the least context a shrink leaves, tokens in all (upstream --fit's -fitc default)
+typedef int64_t (*llama_moe_fit_measure_cb)(uint32_t n_ctx, uint32_t n_seq, void * user_data);
+LLAMA_API int32_t llama_model_moe_stream_fit(struct llama_model * model, uint32_t * n_ctx, uint32_t * n_seq, bool unified,
+                                             bool user_sized, uint32_t n_ctx_min, llama_moe_fit_measure_cb measure,
+                                             void * user_data);
+
 // Sets the budget between generations (MiB, from the mechanical minimum up; above every expert's
 // bytes it is clamped). A shrink evicts the least recently used experts at once. Returns the new
 // budget in MiB, -1 for a bad value or no tier, -2 while a graph is being computed.

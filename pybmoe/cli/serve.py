@@ -95,7 +95,25 @@ def _serve_limited(exe: str, argv: list[str], limit_mib: int) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda n, _f: p.send_signal(n))
         rc = p.wait()
+        line = oom_line(rc, lim.oom_kills(), limit_mib, lim.peak_mib())
+        if line:
+            print(line, file=sys.stderr, flush=True)
     return 128 - rc if rc < 0 else rc
+
+
+def oom_line(rc: int, oom_kills: int | None, limit_mib: int, peak_mib: float | None = None) -> str | None:
+    """The one line ``pybmoe serve --memory-limit-mb`` prints when the kernel's OOM killer took the
+    server: ``rc`` is its exit status as :meth:`subprocess.Popen.wait` gives it (-9: SIGKILL),
+    ``oom_kills`` the cgroup's count (:meth:`pybmoe.engine.memlimit.MemoryLimit.oom_kills`),
+    ``limit_mib`` the limit in MiB, ``peak_mib`` the cgroup's peak use in MiB. None when it was not
+    an OOM kill (or nothing says so)."""
+    if not oom_kills or rc not in (-9, 137):
+        return None
+    peak = f", peak use {peak_mib:.0f} MiB" if peak_mib is not None else ""
+    return (f"pybmoe serve: error: llama-server was killed by the kernel's OOM killer under the {limit_mib} MiB "
+            f"memory limit{peak}; try --moe-stream-cache-mb auto (it sizes the experts' budget and the context "
+            f"together), a smaller -c or -np, a smaller fixed budget, or a larger --memory-limit-mb "
+            f"(docs/stream-tier.md, \"Serving under a memory limit\")")
 
 
 def serve_main(argv: list[str]) -> int:

@@ -84,6 +84,12 @@ class MemoryLimit:
         except (OSError, ValueError):
             return None
 
+    def oom_kills(self) -> int | None:
+        """How many processes the kernel's OOM killer has killed in this cgroup (v1
+        ``memory.oom_control``'s ``oom_kill``, v2 ``memory.events``' ``oom_kill``), or None when the
+        kernel does not count them."""
+        return read_oom_kills(self.path, self.v1)
+
     def reset_peak(self) -> None:
         """Starts a new peak (v1 only; v2 keeps the peak of the cgroup's life)."""
         if self.v1:
@@ -103,6 +109,20 @@ class MemoryLimit:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_oom_kills(path: Path, v1: bool) -> int | None:
+    """The ``oom_kill`` count of the cgroup folder ``path`` (v1: ``memory.oom_control``; v2:
+    ``memory.events``), or None when the file or the field is missing (kernels before 4.13)."""
+    f = Path(path) / ("memory.oom_control" if v1 else "memory.events")
+    try:
+        for line in f.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return None
 
 
 def drop_caches() -> bool:
