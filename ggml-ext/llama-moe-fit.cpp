@@ -80,8 +80,15 @@ llama_moe_fit_plan llama_moe_fit_make_plan(const llama_moe_fit_input & in, const
         p.ctx_bytes    = bytes;
         p.budget_bytes = llama_moe_fit_budget(in, bytes);
         const bool changed = n_ctx != in.n_ctx || n_seq != std::max(1u, in.n_seq);
+        // under the minimum, the floor may give way down to what must stay free
+        // (in bytes, not whole entries: the minimum's entries and the contexts beside what must stay free)
+        const int64_t least_cost = in.least_bytes / std::max<int64_t>(in.entry_bytes, 1) * in.entry_cost;
+        const bool fits = bytes >= 0 && in.room_bytes + in.floor_slack_bytes - bytes >= least_cost;
+        if (!keeps && fits) {
+            p.budget_bytes = std::max(p.budget_bytes, in.least_bytes);
+        }
         p.status = keeps ? (changed ? LLAMA_MOE_PLAN_SHRUNK : LLAMA_MOE_PLAN_KEPT) :
-                   p.budget_bytes >= in.least_bytes ? LLAMA_MOE_PLAN_UNDER_CYCLE : LLAMA_MOE_PLAN_REFUSED;
+                   fits ? LLAMA_MOE_PLAN_UNDER_CYCLE : LLAMA_MOE_PLAN_REFUSED;
     };
     if (llama_moe_fit_keeps(in, target, p.asked_bytes) || in.user_sized) {
         settle(p.n_ctx, p.n_seq, p.asked_bytes, llama_moe_fit_keeps(in, target, p.asked_bytes));

@@ -23,6 +23,9 @@ struct llama_moe_fit_input {
     // what the budget and the contexts share: the memory available at init minus the dense weights in
     // host memory, the prefetch window and the floor (what auto leaves free; a fixed budget leaves it too)
     int64_t room_bytes   = 0;
+    // how much of the floor may give way rather than refuse a context (the floor less the least that
+    // stays free, 64 MiB): the budget then keeps the minimum, under the cycle
+    int64_t floor_slack_bytes = 0;
     int64_t entry_bytes  = 1; // one (layer, expert) entry
     int64_t entry_cost   = 1; // an entry's bytes plus the partial pages it may commit
     int64_t cap_bytes    = 0; // the most the budget takes (every streamed expert, auto's ceiling)

@@ -508,10 +508,9 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     if (is_auto) {
         st.warn_cycle(INT64_MAX); // the cliff guard (the BigMoeOnEdge seed): the fact, at load
     } else {
+        // a budget that does not fit beside the contexts is clamped when they are known (the fit, or each
+        // context as it is created: clamp_fixed), before any step reads an expert
         st.fixed_bytes = budget;
-        if (st.fixed_room(0) < budget) {
-            st.clamp_fixed(0); // a budget that does not fit even before the contexts: clamped now, with a WARN
-        }
         st.warn_cycle(INT64_MAX);
     }
     return (int32_t) st.layers.size();
@@ -538,6 +537,8 @@ int32_t llama_model_moe_stream_fit(llama_model * model, uint32_t * n_ctx, uint32
     in.is_auto     = st.is_auto;
     in.fixed_bytes = st.fixed_bytes;
     in.room_bytes  = st.shared_room();
+    // rather than refuse: auto's floor gives way while 64 MiB stay free (as at init), a fixed budget's all of it
+    in.floor_slack_bytes = std::max<int64_t>(0, st.floor_bytes - (st.is_auto ? (int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20 : 0));
     in.entry_bytes = (int64_t) st.entry_bytes;
     in.entry_cost  = st.entry_cost;
     in.cap_bytes   = st.is_auto ? std::min(st.auto_cap_entries * (int64_t) st.entry_bytes, st.total_bytes) : st.total_bytes;

@@ -323,3 +323,44 @@ def fake_root(tmp_path):
         return root
     return make
 
+
+
+# --------------------------------------------------------------------------- a fake /proc and cgroup tree
+# The engine reads the memory it may use under $PYBMOE_MEM_ROOT when set (ggml-ext/llama-moe-memory.h):
+# the disk tier's sizing and the contexts' fit are tested on such trees, with no root and no real limit.
+MIB = 2**20
+
+
+def _mem_root(tmp: Path, *, avail_mib: float, total_mib: float = 32768, cgroup: str | None = None,
+              limit_mib: float = 0, usage_mib: float = 0, cache_mib: float = 0) -> Path:
+    """A folder with proc/meminfo, proc/self/cgroup and (v1 or v2) the cgroup's files, for
+    ``PYBMOE_MEM_ROOT`` (sizes in MiB)."""
+    root = tmp / f"root-{cgroup}-{avail_mib}-{limit_mib}"
+    (root / "proc" / "self").mkdir(parents=True, exist_ok=True)
+    (root / "proc" / "meminfo").write_text(f"MemTotal:       {int(total_mib * 1024)} kB\n"
+                                           f"MemFree:        {int(avail_mib * 1024)} kB\n"
+                                           f"MemAvailable:   {int(avail_mib * 1024)} kB\n")
+    if cgroup == "v1":
+        (root / "proc" / "self" / "cgroup").write_text("12:cpu,cpuacct:/\n5:memory:/box\n0::/\n")
+        d = root / "sys" / "fs" / "cgroup" / "memory" / "box"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.limit_in_bytes").write_text(f"{int(limit_mib * MIB)}\n")
+        (d / "memory.usage_in_bytes").write_text(f"{int(usage_mib * MIB)}\n")
+        (d / "memory.stat").write_text(f"cache 0\nrss 0\ntotal_cache {int(cache_mib * MIB)}\ntotal_rss 0\n")
+    elif cgroup == "v2":
+        (root / "proc" / "self" / "cgroup").write_text("0::/box\n")
+        d = root / "sys" / "fs" / "cgroup" / "box"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.max").write_text(f"{int(limit_mib * MIB)}\n")
+        (d / "memory.current").write_text(f"{int(usage_mib * MIB)}\n")
+        (d / "memory.stat").write_text(f"anon 0\nfile {int(cache_mib * MIB)}\n")
+    else:
+        (root / "proc" / "self" / "cgroup").write_text("0::/\n")
+    return root
+
+
+@pytest.fixture
+def mem_root():
+    """``mem_root(tmp, avail_mib=, total_mib=32768, cgroup=None|"v1"|"v2", limit_mib=, usage_mib=,
+    cache_mib=)``: a fake tree for ``PYBMOE_MEM_ROOT`` (its path)."""
+    return _mem_root

@@ -138,6 +138,8 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "pybmoe-logits: failed to load the model\n");
         return 1;
     }
+    // the context as created (the disk tier's fit may have shrunk a default one: issue 40's tests read it)
+    printf("n_ctx %u n_seq %u\n", llama_n_ctx(ctx), llama_n_seq_max(ctx));
     // --lora: common_init_from_params loads adapters only with its own context (not model_only)
     for (auto & la : params.lora_adapters) {
         la.ptr = llama_adapter_lora_init(model, la.path.c_str());

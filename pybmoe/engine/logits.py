@@ -25,15 +25,17 @@ class LogitsRun:
 
 
 def run_logits(model: str | os.PathLike, out: str | os.PathLike, args: list[str], *, prompt: str = "Hello there",
-               n_predict: int = 8, ctx: int = 256, timeout: float = 300, bin_dir: str | os.PathLike | None = None,
-               env: dict[str, str] | None = None) -> LogitsRun:
-    """Run ``pybmoe-logits`` on ``model`` (2 threads, ``--fit off``) with the extra llama.cpp ``args``
-    (layout, cache flags, ``-ub`` ...), writing the logits to ``out``; ``bin_dir`` picks another build
-    (e.g. a Vulkan one). Raises :class:`EngineError` (with the command and the log's tail) on a
-    non-zero exit."""
+               n_predict: int = 8, ctx: int | None = 256, timeout: float = 300,
+               bin_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> LogitsRun:
+    """Run ``pybmoe-logits`` on ``model`` (2 threads) with the extra llama.cpp ``args`` (layout, cache
+    flags, ``-ub`` ...), writing the logits to ``out``; ``bin_dir`` picks another build (e.g. a Vulkan
+    one). ``ctx``: the context in tokens (``-c``, with ``--fit off``), or None for llama.cpp's
+    defaults (the model's trained context, ``--fit`` on: the disk tier may fit it). Raises
+    :class:`EngineError` (with the command and the log's tail) on a non-zero exit."""
     exe = Path(bin_dir) / "pybmoe-logits" if bin_dir is not None else find_binary("pybmoe-logits")
+    sized = ["-c", str(ctx), "--fit", "off"] if ctx is not None else []
     cmd = [str(exe), "--logits-out", str(out), "-m", str(model), "-p", prompt, "-n", str(n_predict),
-           "-c", str(ctx), "-t", "2", "--fit", "off", *args]
+           *sized, "-t", "2", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if r.returncode != 0:
         raise EngineError(f"{' '.join(cmd)} exited with {r.returncode}:\n{r.stderr[-3000:]}")

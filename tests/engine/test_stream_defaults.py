@@ -8,7 +8,7 @@ the rule in docs/stream-tier.md, and must equal the engine's to the entry:
 - each context's host memory (KV cache, compute, output) is then set aside in whole entries;
 - a floor that leaves less than the minimum shrinks while 64 MiB stay free; below that, a refusal
   in one line with the arithmetic;
-- a fixed budget that does not fit gets one WARN; ``--dense-weights auto`` picks anon exactly when
+- a fixed budget that does not fit is clamped (one WARN); ``--dense-weights auto`` picks anon exactly when
   the GGUF is larger than what is available, and every pick stays bit-identical.
 
 The model: 2 layers, 16 experts, top-3, Q8_0 (one entry 0.50 MiB, 16 MiB of experts), ~80 MiB dense.
@@ -55,33 +55,6 @@ def cost(f) -> int:
     return f["entry"] + 2 * PAGE * f["n_proj"]
 
 
-def fake_root(tmp: Path, *, avail_mib: float, total_mib: float = 32768, cgroup: str | None = None,
-              limit_mib: float = 0, usage_mib: float = 0, cache_mib: float = 0) -> Path:
-    """A folder with proc/meminfo, proc/self/cgroup and (v1 or v2) the cgroup's files."""
-    root = tmp / f"root-{cgroup}-{avail_mib}-{limit_mib}"
-    (root / "proc" / "self").mkdir(parents=True, exist_ok=True)
-    (root / "proc" / "meminfo").write_text(f"MemTotal:       {int(total_mib * 1024)} kB\n"
-                                           f"MemFree:        {int(avail_mib * 1024)} kB\n"
-                                           f"MemAvailable:   {int(avail_mib * 1024)} kB\n")
-    if cgroup == "v1":
-        (root / "proc" / "self" / "cgroup").write_text("12:cpu,cpuacct:/\n5:memory:/box\n0::/\n")
-        d = root / "sys" / "fs" / "cgroup" / "memory" / "box"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "memory.limit_in_bytes").write_text(f"{int(limit_mib * MIB)}\n")
-        (d / "memory.usage_in_bytes").write_text(f"{int(usage_mib * MIB)}\n")
-        (d / "memory.stat").write_text(f"cache 0\nrss 0\ntotal_cache {int(cache_mib * MIB)}\ntotal_rss 0\n")
-    elif cgroup == "v2":
-        (root / "proc" / "self" / "cgroup").write_text("0::/box\n")
-        d = root / "sys" / "fs" / "cgroup" / "box"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "memory.max").write_text(f"{int(limit_mib * MIB)}\n")
-        (d / "memory.current").write_text(f"{int(usage_mib * MIB)}\n")
-        (d / "memory.stat").write_text(f"anon 0\nfile {int(cache_mib * MIB)}\n")
-    else:
-        (root / "proc" / "self" / "cgroup").write_text("0::/\n")
-    return root
-
-
 def run(model, tmp, root: Path | None, extra: list[str], name: str, n_predict: int = 4) -> engine.LogitsRun:
     env = {k: v for k, v in os.environ.items() if k != "PYBMOE_MEM_ROOT"}
     if root is not None:
@@ -101,16 +74,16 @@ def auto_line(log: str) -> str:
 
 
 @pytest.mark.parametrize("cgroup", ["v1", "v2", None])
-def test_auto_follows_the_rule_under_a_cgroup_and_without_one(model, facts, tmp_path, cgroup):
+def test_auto_follows_the_rule_under_a_cgroup_and_without_one(model, facts, tmp_path, cgroup, mem_root):
     base = run(model, tmp_path, None, [], "base")
     room_mib = (facts["dense"]) / MIB + 64 + 6  # 6 MiB of experts above the floor
     if cgroup:
         # the limit is what the process lives in; its usage less its page cache is gone already
         limit, usage, cache = 1000.0, 1000.0 - room_mib + 300, 300.0
-        root = fake_root(tmp_path, avail_mib=20000, cgroup=cgroup, limit_mib=limit, usage_mib=usage, cache_mib=cache)
+        root = mem_root(tmp_path, avail_mib=20000, cgroup=cgroup, limit_mib=limit, usage_mib=usage, cache_mib=cache)
         avail, lim = int(limit * MIB) - int(usage * MIB) + int(cache * MIB), int(limit * MIB)
     else:
-        root = fake_root(tmp_path, avail_mib=room_mib, total_mib=1000)  # a plain machine: MemAvailable binds
+        root = mem_root(tmp_path, avail_mib=room_mib, total_mib=1000)  # a plain machine: MemAvailable binds
         avail, lim = int(room_mib * 1024) * 1024, 1000 * MIB
     r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], f"auto-{cgroup}")
     line = auto_line(r.log)
@@ -128,19 +101,19 @@ def test_auto_follows_the_rule_under_a_cgroup_and_without_one(model, facts, tmp_
     assert r.tokens == base.tokens and r.logits == base.logits
 
 
-def test_a_floor_larger_than_the_room_shrinks_to_the_minimum_with_a_warn(model, facts, tmp_path):
+def test_a_floor_larger_than_the_room_shrinks_to_the_minimum_with_a_warn(model, facts, tmp_path, mem_root):
     base = run(model, tmp_path, None, [], "base")
     room_mib = (facts["dense"]) / MIB + 64 + 3  # the minimum (1.5 MiB) + 64 fit, a 500 MiB floor not
-    root = fake_root(tmp_path, avail_mib=room_mib, total_mib=1000)
+    root = mem_root(tmp_path, avail_mib=room_mib, total_mib=1000)
     r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto", "--moe-stream-floor-mb", "500"], "floor")
     line = auto_line(r.log)
     assert f"-> {facts['min_entries']} experts of" in line and "WARNING the floor of 500 MiB leaves less" in line
     assert r.logits == base.logits
 
 
-def test_a_limit_under_the_minimum_is_refused_in_one_line_with_the_arithmetic(model, facts, tmp_path):
+def test_a_limit_under_the_minimum_is_refused_in_one_line_with_the_arithmetic(model, facts, tmp_path, mem_root):
     room_mib = (facts["dense"]) / MIB + 30  # under 64 MiB + the minimum
-    root = fake_root(tmp_path, avail_mib=room_mib, total_mib=1000)
+    root = mem_root(tmp_path, avail_mib=room_mib, total_mib=1000)
     with pytest.raises(engine.EngineError) as e:
         run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "tiny")
     err = [ln for ln in str(e.value).splitlines() if "under the mechanical minimum" in ln]
@@ -149,27 +122,42 @@ def test_a_limit_under_the_minimum_is_refused_in_one_line_with_the_arithmetic(mo
     assert "cannot hold one layer step" in str(e.value)
 
 
-def test_a_fixed_budget_that_does_not_fit_gets_one_warn(model, facts, tmp_path):
-    room_mib = (facts["dense"]) / MIB + 4
-    root = fake_root(tmp_path, avail_mib=room_mib, total_mib=1000)
+def test_a_fixed_budget_that_does_not_fit_is_clamped_and_stays_exact(model, facts, tmp_path, mem_root):
+    """A fixed budget over what fits beside the dense weights, the floor and the context is clamped to
+    the largest whole-entry budget that does (one WARN with the arithmetic), never run as asked: a
+    first request would read it full and get the process killed (issue 40)."""
+    base = run(model, tmp_path, None, [], "base")
+    room_mib = facts["dense"] / MIB + 64 + 8  # 8 MiB above the floor, for the context and the experts
+    root = mem_root(tmp_path, avail_mib=room_mib, total_mib=1000)
     r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "12"], "over")
-    assert r.log.count("WARNING --moe-stream-cache-mb 12 MiB does not fit") == 1, r.log[-3000:]
+    warns = [ln for ln in r.log.splitlines() if "WARNING --moe-stream-cache-mb 12 MiB does not fit" in ln]
+    assert len(warns) == 1 and "MiB floor" in warns[0] and "of contexts' host memory" in warns[0], r.log[-3000:]
+    ctx = float(re.search(r"the context as asked \(128 tokens\) takes ([\d.]+) MiB of host memory", r.log).group(1))
+    avail = int(room_mib * 1024) * 1024
+    # the line gives the context to 0.1 MiB: the entries it takes, from either end of that rounding
+    took = {-(-int((ctx + d) * MIB) // cost(facts)) for d in (-0.05, 0.05)}
+    entries = {(avail - facts["dense"] - 64 * MIB) // cost(facts) - t for t in took}
+    assert all(3 <= e < 24 for e in entries), entries  # the clamp binds, above the minimum
+    assert any(f"clamped to {e * facts['entry'] / MIB:.1f} MiB" in warns[0] for e in entries), (warns[0], entries)
+    assert r.tokens == base.tokens and r.logits == base.logits
     ok = run(model, tmp_path, None, ["--moe-stream-cache-mb", "12"], "fits")
     assert "does not fit" not in ok.log
 
 
-def test_dense_auto_picks_anon_only_for_a_fixed_budget_when_the_gguf_does_not_fit_and_stays_exact(model, facts, tmp_path):
+def test_dense_auto_picks_anon_only_for_a_fixed_budget_when_the_gguf_does_not_fit_and_stays_exact(model, facts, tmp_path, mem_root):
     base = run(model, tmp_path, None, [], "base")
     # less than the GGUF is available, but the 4 MiB budget and the dense weights fit beside each other
     avail = facts["file"] / MIB - 5
     assert (facts["dense"]) / MIB + 4 * 1.1 < avail
-    small = fake_root(tmp_path, avail_mib=avail, total_mib=1000)
+    small = mem_root(tmp_path, avail_mib=avail, total_mib=1000)
     r = run(model, tmp_path, small, ["--moe-stream-cache-mb", "4"], "dense-small")
     assert r.log.count("dense weights: auto -> anon: the GGUF") == 1 and "weights into anonymous memory" in r.log
     assert r.tokens == base.tokens and r.logits == base.logits
-    # a budget that does not fit beside them: mapped pages can be reclaimed, anonymous ones cannot
+    # a budget that does not fit beside them is clamped first (the contexts' fit comes before the dense
+    # policy), so that they fit beside each other then
     tight = run(model, tmp_path, small, ["--moe-stream-cache-mb", "16"], "dense-tight")
-    assert tight.log.count("dense weights: auto -> mmap: the budget and the dense weights") == 1
+    assert tight.log.count("WARNING --moe-stream-cache-mb 16 MiB does not fit") == 1, tight.log[-3000:]
+    assert tight.log.count("dense weights: auto -> anon: the GGUF") == 1 and tight.logits == base.logits
     # auto sizes the budget beside the dense weights, with its floor: they stay mapped
     auto = run(model, tmp_path, small, ["--moe-stream-cache-mb", "auto", "--moe-stream-floor-mb", "0"], "dense-auto")
     assert auto.log.count("dense weights: auto -> mmap: --moe-stream-cache-mb auto sized the budget") == 1, auto.log[-3000:]

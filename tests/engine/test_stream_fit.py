@@ -1,0 +1,175 @@
+"""The contexts and the disk tier's budget fitted together before any context is allocated (issue 40),
+on a fake ``/proc`` tree (``PYBMOE_MEM_ROOT``): no root, no real limit.
+
+The model: 2 layers, 16 experts, top-3, Q8_0, trained context 16384 tokens (one entry 0.50 MiB, a
+cache cycle of 3.0 MiB; the KV cache about 1 KiB a token). ``pybmoe-logits`` creates its context
+through common, as ``llama-server`` does. The oracles:
+
+- the fit's measure of a context (a no_alloc probe) equals the host memory the created context
+  reports, to the 0.1 MiB of the lines;
+- the budget it leaves is recomputed here from the rule: whole entries of (entry + page rounding)
+  from the room (available - dense - floor) less the contexts;
+- a default context that would leave the budget under the cycle + 10 % shrinks to the largest
+  context (256-token grid, >= 4096) that keeps it, and the next grid step would not;
+- a context the user sized runs as asked (the cycle WARN when under it), or is refused in one line;
+- every run's tokens and logits equal an all-resident run's at the same context.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from pybmoe import engine, models
+
+SHAPE = dict(n_layer=2, n_expert=16, n_expert_used=3, n_embd=512, n_ff_exp=320, n_ctx_train=16384)
+MIB = 1024 * 1024
+PAGE = os.sysconf("SC_PAGESIZE")
+FLOOR = 64 * MIB  # auto's floor under a 1000 MiB MemTotal: 1/16 of it, at least 64 MiB
+MARGIN = 0.10
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
+
+
+@pytest.fixture(scope="module")
+def facts(model):
+    import gguf
+    r = gguf.GGUFReader(str(model))
+    dense = sum(int(t.n_bytes) for t in r.tensors if "_exps.weight" not in t.name)
+    per_layer: dict[str, list[int]] = {}
+    for t in r.tensors:
+        if "_exps.weight" in t.name:
+            per_layer.setdefault(t.name.split(".")[1], []).append(int(t.n_bytes) // SHAPE["n_expert"])
+    entry = max(sum(v) for v in per_layer.values())
+    n_proj = max(len(v) for v in per_layer.values())
+    return dict(dense=dense, entry=entry, cost=entry + 2 * PAGE * n_proj,
+                cycle=SHAPE["n_layer"] * SHAPE["n_expert_used"] * entry)
+
+
+def run(model, tmp, root: Path | None, extra: list[str], name: str, ctx: int | None = None) -> engine.LogitsRun:
+    env = {k: v for k, v in os.environ.items() if k != "PYBMOE_MEM_ROOT"}
+    if root is not None:
+        env["PYBMOE_MEM_ROOT"] = str(root)
+    return engine.run_logits(model, tmp / f"{name}.bin", ["-ngl", "0", "--no-repack", "-ub", "1", "-b", "64", *extra],
+                             n_predict=4, ctx=ctx, env=env)
+
+
+def fit_line(log: str) -> str:
+    return next(ln for ln in log.splitlines() if "moe-stream: fit:" in ln or "-> fit:" in ln)
+
+
+def ctx_mib(log: str, n: int) -> float:
+    """The host memory the fit measured for a context of n tokens (the asked one, or the one it shrank to)."""
+    line = fit_line(log)
+    m = re.search(rf"\({n} tokens\) takes ([\d.]+) MiB", line) or re.search(rf"to {n} tokens \(([\d.]+) MiB\)", line)
+    assert m, line
+    return float(m.group(1))
+
+
+def created_ctx(log: str) -> tuple[int, float | None]:
+    """(n_ctx, host MiB) of the context the run created (pybmoe-logits' ``n_ctx`` line; the tier's
+    on_context line, which auto prints: None for a fixed budget)."""
+    n = int(re.search(r"^n_ctx (\d+) n_seq", log, re.M).group(1))
+    m = re.search(r"a context takes ([\d.]+) MiB of host memory", log)
+    return n, float(m.group(1)) if m else None
+
+
+def budget_entries(facts, avail: int, ctx_bytes: int) -> int:
+    room = (avail - facts["dense"] - FLOOR) // facts["cost"]
+    return min(room - (-(-ctx_bytes // facts["cost"])), SHAPE["n_layer"] * SHAPE["n_expert"])
+
+
+@pytest.fixture(scope="module")
+def sizes(model, tmp_path_factory):
+    """The fit's measures of the contexts this module needs, from a roomy run each (MiB)."""
+    tmp = tmp_path_factory.mktemp("sizes")
+    full = run(model, tmp, None, ["--moe-stream-cache-mb", "auto"], "full")
+    least = run(model, tmp, None, ["--moe-stream-cache-mb", "auto"], "least", ctx=4096)
+    assert "kept" in fit_line(full.log) and "kept" in fit_line(least.log)
+    out = {16384: ctx_mib(full.log, 16384), 4096: ctx_mib(least.log, 4096)}
+    # the probe measures what the context then takes
+    for r, n in ((full, 16384), (least, 4096)):
+        assert created_ctx(r.log) == (n, pytest.approx(out[n], abs=0.051)), r.log[-2000:]
+    assert out[16384] > out[4096] + 8
+    return out
+
+
+def test_a_default_context_shrinks_to_keep_the_cycle_and_stays_exact(model, facts, sizes, tmp_path, mem_root):
+    # room for the least context, the cycle + 10 % and half of what the full context needs beyond the least
+    want = facts["cycle"] * (1 + MARGIN)
+    avail_mib = (facts["dense"] + FLOOR + want) / MIB + sizes[4096] + (sizes[16384] - sizes[4096]) / 2 + 1
+    root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
+    r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "shrunk")
+    line = fit_line(r.log)
+    assert "the default context (16384 tokens)" in line and "-> shrunk to" in line, line
+    assert "-c 16384 restores the full context" in line
+    n, mib = created_ctx(r.log)
+    assert 4096 < n < 16384 and n % 256 == 0, line
+    assert mib == pytest.approx(ctx_mib(r.log, n), abs=0.051)
+    avail = int(avail_mib * 1024) * 1024
+    entries = budget_entries(facts, avail, int(mib * MIB))
+    assert entries * facts["entry"] >= want  # the budget keeps the cycle + 10 %
+    assert f"budget {entries * facts['entry'] / MIB:.1f} MiB" in line or \
+        f"budget {(entries - 1) * facts['entry'] / MIB:.1f} MiB" in line, (line, entries)
+    assert "below the cache cycle" not in r.log
+    # the largest such context: what it leaves over the target is less than 256 more tokens and one entry
+    # would take (the KV cache is linear in the tokens)
+    per_token = (sizes[16384] - sizes[4096]) * MIB / (16384 - 4096)
+    assert entries * facts["entry"] - want < 256 * per_token + 2 * facts["cost"], (entries, want, per_token)
+    # and the output is that of an all-resident run at the same context
+    base = run(model, tmp_path, None, [], "base", ctx=n)
+    assert r.tokens == base.tokens and r.logits == base.logits
+
+
+def test_a_user_sized_context_runs_as_asked_under_the_cycle_or_is_refused(model, facts, sizes, tmp_path, mem_root):
+    # room for the least context and the tier's minimum, not for the cycle
+    avail_mib = (facts["dense"] + FLOOR) / MIB + sizes[4096] + 2.5
+    root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
+    r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "asked", ctx=4096)
+    line = fit_line(r.log)
+    assert "the context as asked (4096 tokens)" in line and "runs as asked" in line, line
+    assert created_ctx(r.log)[0] == 4096
+    assert r.log.count("is below the cache cycle") >= 1
+    base = run(model, tmp_path, None, [], "base", ctx=4096)
+    assert r.tokens == base.tokens and r.logits == base.logits
+    # the full context does not fit beside the minimum: refused in one line, before any context exists
+    with pytest.raises(engine.EngineError) as e:
+        run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "too-big", ctx=16384)
+    err = [ln for ln in str(e.value).splitlines() if "-> fit:" in ln]
+    assert len(err) == 1 and "the context as asked (16384 tokens)" in err[0], str(e.value)[-2000:]
+    assert "under the tier's minimum" in err[0] and "give a smaller -c" in err[0]
+    assert "a context takes" not in str(e.value)  # no context was created
+
+
+def test_a_default_context_that_cannot_fit_even_at_its_least_is_refused(model, facts, sizes, tmp_path, mem_root):
+    avail_mib = (facts["dense"] + FLOOR) / MIB + sizes[4096] / 2
+    root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
+    with pytest.raises(engine.EngineError) as e:
+        run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "refused")
+    err = [ln for ln in str(e.value).splitlines() if "-> fit:" in ln]
+    assert len(err) == 1, str(e.value)[-2000:]
+    assert "even the least context, 4096 tokens" in err[0] and "give the process more memory" in err[0]
+
+
+def test_a_fixed_budget_is_clamped_beside_a_default_context_that_keeps_the_cycle(model, facts, sizes, tmp_path, mem_root):
+    # the fixed budget (12 MiB) does not fit beside the full context; the context shrinks to keep the cycle,
+    # and the budget is clamped to what is left
+    want = facts["cycle"] * (1 + MARGIN)
+    avail_mib = (facts["dense"] + FLOOR + want) / MIB + sizes[4096] + (sizes[16384] - sizes[4096]) / 2 + 1
+    root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
+    r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "12"], "fixed")
+    line = fit_line(r.log)
+    assert "-> shrunk to" in line and "the fixed budget of 12 MiB does not fit beside the contexts: clamped" in line, line
+    n, _ = created_ctx(r.log)
+    mib = ctx_mib(r.log, n)
+    warns = [ln for ln in r.log.splitlines() if "WARNING --moe-stream-cache-mb 12 MiB does not fit" in ln]
+    assert len(warns) == 1, r.log[-3000:]
+    entries = budget_entries(facts, int(avail_mib * 1024) * 1024, int(mib * MIB))
+    assert entries * facts["entry"] >= want and entries * facts["entry"] < 12 * MIB
+    base = run(model, tmp_path, None, [], "base", ctx=n)
+    assert r.tokens == base.tokens and r.logits == base.logits
