@@ -89,6 +89,8 @@ class Answer:
     prompt_n: int
     predicted_n: int
     latency_s: float = 0.0
+    first_s: float = math.nan    # streamed: seconds to the first data chunk (the time to the first token)
+    decode_ts: float = math.nan  # the server's own decode tok/s for the request (timings.predicted_per_second)
 
 
 @dataclass
@@ -130,6 +132,7 @@ def send(url: str, req: Request, timeout_s: float = 120, on_chunk: Callable[[int
         if r.status != 200:
             raise LoadError(f"{req.name}: HTTP {r.status}: {r.read()[:500]!r}")
         entries, text, timings = [], [], {}
+        first_s = math.nan
         if not req.stream:
             d = json.loads(r.read())
             if req.kind == "completion":
@@ -162,11 +165,14 @@ def send(url: str, req: Request, timeout_s: float = 120, on_chunk: Callable[[int
                         text.append((ch.get("delta") or {}).get("content") or "")
                 timings = d.get("timings", timings)
                 n += 1
+                if n == 1:
+                    first_s = time.monotonic() - t0
                 if on_chunk is not None and on_chunk(n) is False:
                     break
         ids, top2 = _tokens(entries)
         return Answer(ids, "".join(text), top2, int(timings.get("prompt_n", -1)),
-                      int(timings.get("predicted_n", -1)), time.monotonic() - t0)
+                      int(timings.get("predicted_n", -1)), time.monotonic() - t0, first_s,
+                      float(timings.get("predicted_per_second", math.nan)))
     except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError) as e:
         raise LoadError(f"{req.name}: {type(e).__name__}: {e}") from e
     finally:

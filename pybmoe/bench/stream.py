@@ -97,6 +97,7 @@ import pandas as pd
 from .. import engine
 from ..engine import memlimit
 from . import disk
+from . import server as server_mod
 from ..routing import sizing
 from ..routing import trace as tr
 
@@ -234,6 +235,8 @@ class StreamBenchResult:
     out_dir: Path
     limit_mib: int | None
     notes: list[str]
+    server_runs: pd.DataFrame | None = None     # the server point's rows (pybmoe.bench.server), when asked
+    server_summary: pd.DataFrame | None = None  # per clients: medians, and ratios over llama-bench's points
 
 
 def limit_ts(miss_mib_per_token, probe_mib_s, compute_s_per_token, *, overlap: bool = False):
@@ -420,6 +423,7 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
                  route_replay: str | os.PathLike | None = None, include_resident: bool = True, cold: bool = True,
                  dense: Sequence[str] = (), defaults: bool = True, dense_only: bool = False,
                  n_gen_mmap: int | None = None, probe: bool = True, probe_mib: float = 256.0,
+                 server: bool = False, server_clients: Sequence[int] = (1, 4),
                  progress: Callable[[int], None] | None = None) -> StreamBenchResult:
     """Run the benchmark (see the module doc) and write its CSVs and plots to ``out_dir``.
 
@@ -431,7 +435,9 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
     probe the disk before each repeat, ``probe_mib`` MiB on the tier's lanes (``io_threads``, default
     4), for the limit columns (module doc); a probe that fails (a file system that refuses
     ``O_DIRECT`` falls back to buffered reads, see :func:`pybmoe.bench.disk.probe`) leaves a note and
-    NaN. ``progress`` is
+    NaN. ``server``: also the ``server`` point in every repeat (:mod:`pybmoe.bench.server`:
+    ``llama-server`` at its own defaults, ``server_clients`` clients, ``n_prompt`` and ``n_gen``
+    tokens a request), written to ``server-runs.csv`` and ``server-summary.csv``. ``progress`` is
     called with 1 after each run. Raises :class:`ValueError` for bad arguments and
     :class:`pybmoe.engine.EngineError` when a run fails.
     """
@@ -463,12 +469,24 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
     for n in notes:
         print(f"pybmoe bench-stream: {n}", file=sys.stderr)
     rp = Path(route_replay) if route_replay is not None else None
-    rows = []
+    rows, srows = [], []
     try:
         for rep in range(repeats):
             bw = _probe(model, io_threads, probe_mib, rep, notes) if probe else np.nan
             order = pts if rep % 2 == 0 else pts[::-1]
+            if server:  # the server point first on even repeats, last on odd ones, as the others interleave
+                order = [None, *order] if rep % 2 == 0 else [*order, None]
             for pt in order:
+                if pt is None:
+                    for row in server_mod.run_server_point(model, limit=limit, cold=cold, threads=threads,
+                                                           log_path=out / "logs" / f"server-{rep}.log",
+                                                           n_prompt=n_prompt, n_gen=n_gen, clients=server_clients,
+                                                           route_replay=rp):
+                        row.update(repeat=rep)
+                        srows.append(row)
+                    if progress:
+                        progress(1)
+                    continue
                 for mode in MODES:
                     row = run_point(model, pt, mode, limit=limit, cold=cold,
                                     log_path=out / "logs" / f"{pt.name.replace(':', '-')}-{mode}-{rep}.log",
@@ -490,7 +508,44 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
     summary.to_csv(out / "stream-summary.csv", index=False)
     title = f"{model.name}: limit {limit_mib} MiB" if limit_mib else f"{model.name}: no memory limit"
     plot(summary, out, title)
-    return StreamBenchResult(runs, summary, out, limit_mib, notes)
+    sruns = ssum = None
+    if server:
+        sruns = pd.DataFrame(srows)
+        sruns.to_csv(out / "server-runs.csv", index=False)
+        ssum = summarize_server(sruns, summary)
+        ssum.to_csv(out / "server-summary.csv", index=False)
+    return StreamBenchResult(runs, summary, out, limit_mib, notes, sruns, ssum)
+
+
+def summarize_server(sruns: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
+    """Per ``clients`` of the server point: ``n`` runs that answered (``refused``/``oom`` counted apart),
+    ``median_ts`` (decode tok/s: one client's per-request median, or the aggregate), ``min_ts``,
+    ``max_ts``, ``median_ttft_s``, ``median_hit_pct``, the context and budget it ran with
+    (``n_ctx_slot``, ``n_slots``, ``budget_mb``, ``serving_budget_mb``, ``cycle_mb``), ``peak_mib``, ``oom_kills``, the
+    answers' verdicts, and ``vs_bench_defaults`` / ``vs_mmap``: ``median_ts`` over llama-bench's
+    ``defaults`` and ``mmap`` decode medians of the same run (NaN without them)."""
+    tg = summary[summary["mode"] == "tg"].set_index("point")["median_ts"] if len(summary) else pd.Series(dtype=float)
+    rows = []
+    for clients, g in sruns.groupby(sruns.get("clients", pd.Series([1] * len(sruns))).fillna(1).astype(int)):
+        ok = g[g["status"] == "ok"]
+        med = float(ok.decode_ts.median()) if len(ok) else math.nan
+        rows.append(dict(point="server", clients=clients, n=len(ok), refused=int((g.status == "refused").sum()),
+                         oom=int((g.status == "oom").sum()), median_ts=med,
+                         min_ts=float(ok.decode_ts.min()) if len(ok) else math.nan,
+                         max_ts=float(ok.decode_ts.max()) if len(ok) else math.nan,
+                         median_ttft_s=float(ok.ttft_s.median()) if len(ok) else math.nan,
+                         median_hit_pct=float(ok.hit_pct.median()) if len(ok) else math.nan,
+                         n_ctx_slot=g.n_ctx_slot.max(), n_slots=g.n_slots.max(),
+                         budget_mb=float(g.budget_mb.median()), cycle_mb=float(g.cycle_mb.median()),
+                         serving_budget_mb=float(ok.serving_budget_mb.median()) if len(ok) else math.nan,
+                         peak_mib=float(g.peak_mib.max()) if "peak_mib" in g else math.nan,
+                         oom_kills=int(g.oom_kills.fillna(0).sum()),
+                         identical=int(ok.get("identical", pd.Series(dtype=int)).sum()),
+                         near_tie=int(ok.get("near_tie", pd.Series(dtype=int)).sum()),
+                         wrong=int(ok.get("wrong", pd.Series(dtype=int)).sum()),
+                         vs_bench_defaults=med / tg["defaults"] if "defaults" in tg else math.nan,
+                         vs_mmap=med / tg["mmap"] if "mmap" in tg else math.nan))
+    return pd.DataFrame(rows)
 
 
 def _probe(model: Path, io_threads: int | None, total_mib: float, seed: int, notes: list[str]) -> float:

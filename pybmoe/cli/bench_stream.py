@@ -62,19 +62,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-resident", action="store_true", help="skip the all-resident ceiling")
     ap.add_argument("--warm", action="store_true", help="do not drop the page cache before each run")
     ap.add_argument("--no-probe", action="store_true", help="do not probe the disk before each repeat (no limits)")
+    ap.add_argument("--server", action="store_true",
+                    help="also the server point: llama-server at its own defaults (--moe-stream-cache-mb auto, its "
+                         "context fitted beside it) under the limit, 1 client and then 4 at once; writes "
+                         "DIR/server-runs.csv and DIR/server-summary.csv (decode tok/s, time to the first token)")
     a = ap.parse_args(argv)
     from tqdm import tqdm
     try:
         a.route_replay = route_replay_file(a.route_replay)
         budgets = [b for b in a.budgets.split(",") if b.strip()]
         dense = [d for d in a.dense.split(",") if d.strip()]
-        n_runs = len(stream.points(budgets, not a.no_resident, dense, not a.no_defaults)) * len(stream.MODES) * a.repeats
+        n_runs = (len(stream.points(budgets, not a.no_resident, dense, not a.no_defaults)) * len(stream.MODES)
+                  + a.server) * a.repeats
         with tqdm(total=n_runs, desc="bench-stream", unit="run", file=sys.stderr) as bar:
             res = stream.bench_stream(a.model, a.out, limit_mib=a.limit_mb, budgets=budgets, n_prompt=a.n_prompt,
                                       n_gen=a.n_gen, repeats=a.repeats, threads=a.threads, ubatch=a.ubatch,
                                       io_threads=a.io_threads, floor_mib=a.floor_mb, route_replay=a.route_replay,
                                       include_resident=not a.no_resident, cold=not a.warm, dense=dense,
-                                      defaults=not a.no_defaults, probe=not a.no_probe,
+                                      defaults=not a.no_defaults, probe=not a.no_probe, server=a.server,
                                       progress=bar.update)
     except (ValueError, FileNotFoundError) as e:
         print(f"pybmoe bench-stream: error: {e}", file=sys.stderr)
@@ -83,7 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pybmoe bench-stream: {e}", file=sys.stderr)
         return 1
     print(stream.format_summary(res.summary))
-    print(f"wrote {res.out_dir}/stream-runs.csv, stream-summary.csv, stream-{{pp,tg}}.png")
+    if res.server_summary is not None:
+        print(res.server_summary.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    print(f"wrote {res.out_dir}/stream-runs.csv, stream-summary.csv, stream-{{pp,tg}}.png"
+          + (", server-runs.csv, server-summary.csv" if res.server_summary is not None else ""))
     return 0
 
 
