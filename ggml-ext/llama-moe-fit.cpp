@@ -187,8 +187,12 @@ std::string llama_moe_fit_describe(const llama_moe_fit_input & in, const llama_m
             llama_moe_fit_ctx(in.n_ctx, in.n_seq, in.unified).c_str());
     const std::string got   = llama_moe_fit_ctx(p.n_ctx, p.n_seq, in.unified);
     const std::string flags = llama_moe_fit_fmt("-c %u%s", in.n_ctx, in.n_seq > 1 ? llama_moe_fit_fmt(" -np %u", in.n_seq).c_str() : "");
-    const std::string target = llama_moe_fit_fmt("the cache cycle of %.1f MiB + %d %% = %.1f MiB", in.cycle_bytes / mib,
-            in.margin_pct, p.target_bytes / mib);
+    const int64_t cycle_target = in.cycle_bytes + in.cycle_bytes * in.margin_pct / 100;
+    const std::string target = p.target_bytes > cycle_target ?
+            llama_moe_fit_fmt("the tier's minimum of %.1f MiB (above the cache cycle of %.1f MiB + %d %%)",
+                    p.target_bytes / mib, in.cycle_bytes / mib, in.margin_pct) :
+            llama_moe_fit_fmt("the cache cycle of %.1f MiB + %d %% = %.1f MiB", in.cycle_bytes / mib, in.margin_pct,
+                    p.target_bytes / mib);
     const int64_t asked_budget = llama_moe_fit_budget(in, p.asked_bytes);
     std::string s = llama_moe_fit_fmt("fit: %.0f MiB for the contexts and the experts; %s takes %.1f MiB of host memory",
             std::max<int64_t>(in.room_bytes, 0) / mib, asked.c_str(), p.asked_bytes / mib);

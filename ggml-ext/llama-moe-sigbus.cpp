@@ -19,6 +19,7 @@
 #if !defined(_WIN32)
 #include <signal.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #endif
 
@@ -37,6 +38,8 @@ constexpr int LLAMA_MOE_SIGBUS_RANGES = 64; // mapped files of all live models; 
 llama_moe_mapped_range g_sigbus_ranges[LLAMA_MOE_SIGBUS_RANGES];
 std::mutex             g_sigbus_mutex; // registration only; the handler reads the atomics
 bool                   g_sigbus_installed = false;
+std::atomic<bool>      g_sigbus_said { false }; // one line, however many compute threads fault at once
+std::atomic<bool>      g_sigbus_done { false }; // the line is written: the faults may kill the process now
 
 #if !defined(_WIN32)
 struct sigaction g_sigbus_prev = {};
@@ -60,13 +63,22 @@ void llama_moe_sigbus_handler(int sig, siginfo_t * info, void * uctx) {
         if (lo == 0 || a < lo || a >= hi) {
             continue;
         }
-        struct stat sb = {};
-        const int64_t size = stat(r.path, &sb) == 0 ? (int64_t) sb.st_size : -1;
-        char line[1024];
-        const size_t n = llama_moe_sigbus_format(line, sizeof(line), r.path, (uint64_t) (a - lo), size);
-        llama_moe_sigbus_write(line, n);
-        // the default action kills the process (status 135) when the faulting read runs again
-        signal(SIGBUS, SIG_DFL);
+        if (!g_sigbus_said.exchange(true)) {
+            struct stat sb = {};
+            const int64_t size = stat(r.path, &sb) == 0 ? (int64_t) sb.st_size : -1;
+            char line[1024];
+            const size_t n = llama_moe_sigbus_format(line, sizeof(line), r.path, (uint64_t) (a - lo), size);
+            llama_moe_sigbus_write(line, n);
+            // the default action kills the process (status 135) when the faulting read runs again
+            signal(SIGBUS, SIG_DFL);
+            g_sigbus_done.store(true);
+            return;
+        }
+        // another thread writes the line: its fault kills the process once it is out (at most ~1 s here)
+        for (int i = 0; i < 1000 && !g_sigbus_done.load(); ++i) {
+            const struct timespec ms = { 0, 1000000 };
+            nanosleep(&ms, nullptr);
+        }
         return;
     }
     // not a model's page: whatever handled SIGBUS before
