@@ -170,6 +170,13 @@ SLOW: dict[str, str | set[str]] = {
         "test_the_engines_hits_equal_the_simulators_with_waves",  # 4 runs
     },
     "tests/engine/test_upstream_server.py": "*",  # 37 s
+    "tests/engine/test_stream_fit.py": "*",  # 12 engine runs on fake /proc trees: about 30 s
+    "tests/engine/test_serve_limit.py": {  # servers under a real limit, a reference server
+        "test_the_server_shrinks_a_default_context_under_a_real_limit_and_answers",  # 6 s
+        "test_an_oom_kill_of_the_server_is_named_in_one_line",  # 3 s
+        "test_a_model_file_that_shrinks_under_the_server_is_named",  # 3 s
+    },
+    "tests/bench/test_bench_server.py": "*",  # one module fixture runs the benchmark with its server: 30 s
     "tests/engine/test_vulkan.py": "*",  # 4-12 s a test where a Vulkan build exists (CI builds one)
     "tests/models/test_arch_deepseek2.py": {
         "test_generates_and_the_bias_routes",  # 12 s

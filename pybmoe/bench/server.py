@@ -109,10 +109,10 @@ def _hit_pct(before: dict, after: dict) -> float:
 
 
 def server_command(model: Path, port: int, *, threads: int, route_replay: Path | None,
-                   extra: Sequence[str] = ()) -> list[str]:
-    """The ``server`` point's command line (module doc)."""
+                   extra: Sequence[str] = (), tier: Sequence[str] = DEFAULTS) -> list[str]:
+    """The ``server`` point's command line (module doc); ``tier``: the tier's flags (the defaults)."""
     cmd = [str(engine.find_binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(threads), "--metrics", *DEFAULTS]
+           "-t", str(threads), "--metrics", *tier]
     if route_replay is not None:
         cmd += ["--moe-route-replay", str(route_replay)]
     return cmd + list(extra)
@@ -121,10 +121,12 @@ def server_command(model: Path, port: int, *, threads: int, route_replay: Path |
 def run_server_point(model: str | os.PathLike, *, limit: memlimit.MemoryLimit | None, cold: bool, log_path: Path,
                      n_prompt: int = 64, n_gen: int = 32, n_requests: int = 4, clients: Sequence[int] = (1, 4),
                      threads: int = 2, route_replay: str | os.PathLike | None = None, extra: Sequence[str] = (),
-                     startup_timeout_s: float = 600, request_timeout_s: float = 900) -> list[dict]:
+                     tier: Sequence[str] = DEFAULTS, startup_timeout_s: float = 600,
+                     request_timeout_s: float = 900) -> list[dict]:
     """One server's life (module doc): one row per entry of ``clients`` (the first must be 1), or one
-    row with ``status`` ``refused``/``oom`` when it did not start. Raises :class:`ValueError` for bad
-    arguments."""
+    row with ``status`` ``refused``/``oom`` when it did not start. ``extra``: more llama-server flags
+    (``-np 8``, ``-c N``); ``tier``: the tier's flags instead of the defaults. Raises
+    :class:`ValueError` for bad arguments."""
     if not clients or clients[0] != 1 or any(c < 1 for c in clients):
         raise ValueError(f"clients {list(clients)}; accepted: 1 first, then any counts >= 1")
     for name, v in (("n_prompt", n_prompt), ("n_gen", n_gen), ("n_requests", n_requests), ("threads", threads)):
@@ -138,7 +140,7 @@ def run_server_point(model: str | os.PathLike, *, limit: memlimit.MemoryLimit | 
         limit.reset_peak()
     kills0 = limit.oom_kills() if limit is not None else None
     port = engine.free_port()
-    cmd = server_command(model, port, threads=threads, route_replay=rp, extra=extra)
+    cmd = server_command(model, port, threads=threads, route_replay=rp, extra=extra, tier=tier)
     url = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     base = dict(point="server", limit_mib=limit.limit_mib if limit is not None else None)

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""The disk tier as the server runs it, at its defaults, against llama-bench's defaults point and stock
+mmap (docs/benchmarks.md, "The server at its defaults").
+
+For every model (``NAME=MODEL.gguf``, its routings ``--traces DIR/uniform-NAME.csv`` and
+``DIR/granite-NAME.csv``), limit factor (the cgroup limit is the file's size divided by it) and routing,
+one :func:`pybmoe.bench.stream.bench_stream` run with the points ``mmap`` and ``defaults``
+(llama-bench) and ``server`` (llama-server at its own defaults: 1 client, then 4 at once), interleaved
+over ``--repeats``. Then, per model, the inputs a new user tries (``--inputs``), each one server start
+under the 3x limit: ``-np 8``, ``-c 65536``, a fixed budget of 3x the limit, and a limit under the dense
+weights; each must be answered or refused in one line, never killed.
+
+Writes ``OUT/server-sweep.csv`` (one row per setting), ``OUT/server-inputs.csv``, ``OUT/server-sweep.png``
+and each setting's own folder (bench_stream's CSVs, plots and logs).
+
+Usage: tools/bench-server-sweep.py --out DIR --traces DIR A=a.gguf B=b.gguf ... [--factors 2,3,5]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from pybmoe.bench import server, stream
+from pybmoe.engine import memlimit
+
+MIB = 2**20
+
+
+def dense_mib(model: Path) -> float:
+    import gguf
+    r = gguf.GGUFReader(str(model))
+    return sum(int(t.n_bytes) for t in r.tensors if "_exps.weight" not in t.name) / MIB
+
+
+def run_setting(name: str, model: Path, factor: float, routing: str, trace: Path, out: Path, a) -> dict:
+    limit = int(model.stat().st_size / MIB / factor)
+    res = stream.bench_stream(model, out / f"{name}-{factor:g}x-{routing}", limit_mib=limit, budgets=[],
+                              n_prompt=a.n_prompt, n_gen=a.n_gen, n_gen_mmap=a.n_gen_mmap, repeats=a.repeats,
+                              threads=2, route_replay=trace, include_resident=False, probe=False, server=True)
+    tg = res.summary[res.summary["mode"] == "tg"].set_index("point")
+    pp = res.summary[res.summary["mode"] == "pp"].set_index("point")
+    s = res.server_summary.set_index("clients")
+    one, four = s.loc[1], s.loc[4] if 4 in s.index else None
+    return dict(model=name, factor=factor, routing=routing, limit_mib=limit,
+                mmap_tg=tg.loc["mmap", "median_ts"], bench_defaults_tg=tg.loc["defaults", "median_ts"],
+                bench_defaults_pp=pp.loc["defaults", "median_ts"], mmap_pp=pp.loc["mmap", "median_ts"],
+                server_tg=one.median_ts, server_ttft_s=one.median_ttft_s, server_hit_pct=one.median_hit_pct,
+                server4_tg=four.median_ts if four is not None else math.nan,
+                server_vs_bench=one.median_ts / tg.loc["defaults", "median_ts"],
+                server_vs_mmap=one.median_ts / tg.loc["mmap", "median_ts"],
+                four_vs_one=(four.median_ts / one.median_ts) if four is not None else math.nan,
+                identical=int(four.identical) if four is not None else 0,
+                near_tie=int(four.near_tie) if four is not None else 0,
+                wrong=int(four.wrong) if four is not None else 0,
+                n_ctx_slot=one.n_ctx_slot, n_slots=one.n_slots, budget_mb=one.serving_budget_mb,
+                cycle_mb=one.cycle_mb, budget_over_cycle=one.serving_budget_mb / one.cycle_mb,
+                oom_kills=int(s.oom_kills.sum()), refused=int(s.refused.sum()), peak_mib=one.peak_mib)
+
+
+def run_inputs(name: str, model: Path, trace: Path, out: Path, a) -> list[dict]:
+    size = model.stat().st_size / MIB
+    limit3 = int(size / 3)
+    cases = [("-np 8", limit3, ["-np", "8"], server.DEFAULTS),
+             ("-c 65536", limit3, ["-c", "65536"], server.DEFAULTS),
+             (f"--moe-stream-cache-mb {3 * limit3}", limit3, [], ("--moe-stream-cache-mb", str(3 * limit3))),
+             ("limit under the dense weights", int(dense_mib(model) * 0.8), [], server.DEFAULTS)]
+    rows = []
+    for label, limit, extra, tier in cases:
+        with memlimit.MemoryLimit(limit) as lim:
+            r = server.run_server_point(model, limit=lim, cold=True, clients=(1,), n_prompt=a.n_prompt,
+                                        n_gen=8, route_replay=trace, extra=extra, tier=tier,
+                                        log_path=out / f"{name}-inputs" / f"{label.replace(' ', '_')}.log")[0]
+        log = (out / f"{name}-inputs" / f"{label.replace(' ', '_')}.log").read_text(errors="replace")
+        errs = [ln for ln in log.splitlines() if " E " in ln or "error" in ln.lower()]
+        rows.append(dict(model=name, input=label, limit_mib=limit, status=r["status"], oom_kills=r.get("oom_kills", 0),
+                         answered=r["status"] == "ok", n_ctx_slot=r.get("n_ctx_slot"), n_slots=r.get("n_slots"),
+                         fit_line=r.get("fit_line", ""), first_error=errs[0][:400] if errs else ""))
+        print(f"{name} {label}: {r['status']}", file=sys.stderr, flush=True)
+    return rows
+
+
+def plot(df: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    labels = [f"{r.model} {r.factor:g}x {r.routing}" for r in df.itertuples()]
+    x = range(len(df))
+    w = 0.2
+    for i, (col, lab) in enumerate((("mmap_tg", "stock mmap (llama-bench)"), ("bench_defaults_tg", "defaults (llama-bench)"),
+                                    ("server_tg", "defaults (llama-server, 1 client)"),
+                                    ("server4_tg", "defaults (llama-server, 4 clients, aggregate)"))):
+        ax.bar([v + (i - 1.5) * w for v in x], df[col], w, label=lab)
+    ax.set_xticks(list(x), labels, rotation=30, ha="right")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title("The disk tier at its defaults: llama-server against llama-bench and stock mmap")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("models", nargs="+", help="NAME=MODEL.gguf")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--traces", type=Path, required=True)
+    ap.add_argument("--factors", default="3")
+    ap.add_argument("--routings", default="uniform,granite")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("-p", "--n-prompt", type=int, default=32)
+    ap.add_argument("-n", "--n-gen", type=int, default=32)
+    ap.add_argument("--n-gen-mmap", type=int, default=8)
+    ap.add_argument("--inputs", action="store_true", help="also the new user's inputs (module doc)")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows, inputs = [], []
+    for spec in a.models:
+        name, path = spec.split("=", 1)
+        model = Path(path)
+        for factor in [float(f) for f in a.factors.split(",")]:
+            for routing in a.routings.split(","):
+                trace = a.traces / f"{routing}-{name}.csv"
+                rows.append(run_setting(name, model, factor, routing, trace, a.out, a))
+                pd.DataFrame(rows).to_csv(a.out / "server-sweep.csv", index=False)
+                print(pd.DataFrame(rows).iloc[-1].to_string(), file=sys.stderr, flush=True)
+        if a.inputs:
+            inputs += run_inputs(name, model, a.traces / f"uniform-{name}.csv", a.out, a)
+            pd.DataFrame(inputs).to_csv(a.out / "server-inputs.csv", index=False)
+    df = pd.DataFrame(rows)
+    plot(df, a.out / "server-sweep.png")
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    if inputs:
+        print(pd.DataFrame(inputs)[["model", "input", "limit_mib", "status", "oom_kills", "n_ctx_slot"]].to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
