@@ -73,7 +73,6 @@ llama_moe_fit_plan llama_moe_fit_make_plan(const llama_moe_fit_input & in, const
     }
     p.ctx_bytes    = p.asked_bytes;
     p.budget_bytes = llama_moe_fit_budget(in, p.ctx_bytes);
-    const int64_t target = p.target_bytes;
     auto settle = [&](uint32_t n_ctx, uint32_t n_seq, int64_t bytes, bool keeps) {
         p.n_ctx        = n_ctx;
         p.n_seq        = n_seq;
@@ -90,6 +89,23 @@ llama_moe_fit_plan llama_moe_fit_make_plan(const llama_moe_fit_input & in, const
         p.status = keeps ? (changed ? LLAMA_MOE_PLAN_SHRUNK : LLAMA_MOE_PLAN_KEPT) :
                    fits ? LLAMA_MOE_PLAN_UNDER_CYCLE : LLAMA_MOE_PLAN_REFUSED;
     };
+    // a default context grows past its least only while the budget keeps keep % of what the least leaves:
+    // every MiB of context is a MiB the experts lose, and decode's hit rate grows with every MiB above the
+    // cycle (docs/stream-tier.md, "Serving under a memory limit")
+    int64_t target = p.target_bytes;
+    if (!in.user_sized) {
+        const uint32_t seq_least = in.unified ? p.n_seq : 1;
+        const int64_t  step      = 256 * (in.unified ? 1 : (int64_t) seq_least);
+        const int64_t  n_least   = std::min<int64_t>(p.n_ctx, llama_moe_fit_div_up(in.n_ctx_min, step) * step);
+        const int64_t  b_least   = n_least == p.n_ctx && seq_least == p.n_seq ? p.asked_bytes :
+                                   measured((uint32_t) n_least, seq_least);
+        if (b_least >= 0) {
+            p.least_budget = llama_moe_fit_budget(in, b_least);
+            const int64_t keep = p.least_budget / 100 * in.keep_pct / in.entry_bytes * in.entry_bytes;
+            target = std::max(target, std::min(keep, in.cap_bytes));
+            p.target_bytes = target;
+        }
+    }
     if (llama_moe_fit_keeps(in, target, p.asked_bytes) || in.user_sized) {
         settle(p.n_ctx, p.n_seq, p.asked_bytes, llama_moe_fit_keeps(in, target, p.asked_bytes));
     } else {
@@ -141,7 +157,8 @@ llama_moe_fit_plan llama_moe_fit_make_plan(const llama_moe_fit_input & in, const
         const int64_t step = 256 * (in.unified ? 1 : (int64_t) p.n_seq);
         const int64_t lo_bytes = step < (int64_t) p.n_ctx ? measured((uint32_t) step, p.n_seq) : -1;
         for (const int64_t goal : { target, in.least_bytes }) {
-            if (!llama_moe_fit_keeps(in, goal, lo_bytes)) {
+            // under the target already running: only a context that keeps it is worth naming
+            if (!llama_moe_fit_keeps(in, goal, lo_bytes) || (goal != target && p.status != LLAMA_MOE_PLAN_REFUSED)) {
                 continue;
             }
             const auto x = llama_moe_fit_search(in, goal, step, lo_bytes, p.n_ctx, p.ctx_bytes, step,
@@ -187,8 +204,12 @@ std::string llama_moe_fit_describe(const llama_moe_fit_input & in, const llama_m
             llama_moe_fit_ctx(in.n_ctx, in.n_seq, in.unified).c_str());
     const std::string got   = llama_moe_fit_ctx(p.n_ctx, p.n_seq, in.unified);
     const std::string flags = llama_moe_fit_fmt("-c %u%s", in.n_ctx, in.n_seq > 1 ? llama_moe_fit_fmt(" -np %u", in.n_seq).c_str() : "");
-    const int64_t cycle_target = in.cycle_bytes + in.cycle_bytes * in.margin_pct / 100;
-    const std::string target = p.target_bytes > cycle_target ?
+    const int64_t cycle_target = std::max(in.cycle_bytes + in.cycle_bytes * in.margin_pct / 100, in.least_bytes);
+    const std::string target = p.least_budget > 0 && p.target_bytes > cycle_target ?
+            llama_moe_fit_fmt("%.1f MiB, %d %% of the %.1f MiB the least context leaves (above the cache cycle of "
+                    "%.1f MiB + %d %%)", p.target_bytes / mib, in.keep_pct, p.least_budget / mib, in.cycle_bytes / mib,
+                    in.margin_pct) :
+            p.target_bytes > in.cycle_bytes + in.cycle_bytes * in.margin_pct / 100 ?
             llama_moe_fit_fmt("the tier's minimum of %.1f MiB (above the cache cycle of %.1f MiB + %d %%)",
                     p.target_bytes / mib, in.cycle_bytes / mib, in.margin_pct) :
             llama_moe_fit_fmt("the cache cycle of %.1f MiB + %d %% = %.1f MiB", in.cycle_bytes / mib, in.margin_pct,
@@ -202,8 +223,9 @@ std::string llama_moe_fit_describe(const llama_moe_fit_input & in, const llama_m
             break;
         case LLAMA_MOE_PLAN_SHRUNK:
             s += llama_moe_fit_fmt(" and would leave the experts %.1f MiB, under %s -> shrunk to %s (%.1f MiB): budget "
-                    "%.1f MiB; %s restores the full context (the budget then falls under the cycle)", asked_budget / mib,
-                    target.c_str(), got.c_str(), p.ctx_bytes / mib, p.budget_bytes / mib, flags.c_str());
+                    "%.1f MiB; %s restores the full context (and leaves the experts %.1f MiB)", asked_budget / mib,
+                    target.c_str(), got.c_str(), p.ctx_bytes / mib, p.budget_bytes / mib, flags.c_str(),
+                    std::max<int64_t>(asked_budget, 0) / mib);
             break;
         case LLAMA_MOE_PLAN_UNDER_CYCLE:
             if (p.n_ctx != in.n_ctx || p.n_seq != in.n_seq) {

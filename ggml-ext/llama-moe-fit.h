@@ -32,6 +32,7 @@ struct llama_moe_fit_input {
     int64_t cycle_bytes  = 0; // the cache cycle: every streamed layer's top-k experts
     int64_t least_bytes  = 0; // the mechanical minimum
     int32_t margin_pct   = 10; // a default context keeps the budget at cycle x (1 + margin)
+    int32_t keep_pct     = 90; // and at keep % of the budget its least context would leave
 
     // the context: n_seq slots; unified (one pool of n_ctx tokens that every slot draws from), or not
     // (n_ctx / n_seq tokens per slot: a slot costs its tokens)
@@ -61,7 +62,9 @@ struct llama_moe_fit_plan {
     int64_t  ctx_bytes    = 0; // its host memory
     int64_t  asked_bytes  = 0; // the asked context's host memory
     int64_t  budget_bytes = 0; // the budget beside it (whole entries; a fixed one clamped)
-    int64_t  target_bytes = 0; // cycle x (1 + margin), at most the cap, at least the minimum
+    int64_t  target_bytes = 0; // a default context's: the larger of cycle x (1 + margin) and keep % of the
+                               // least context's budget; at most the cap, at least the minimum
+    int64_t  least_budget = 0; // the budget beside the least context (0: not measured)
     bool     clamped      = false; // a fixed budget was clamped
     uint32_t suggest_ctx  = 0;     // refused or under the target: the largest context (tokens in all, n_seq slots)
                                    // that keeps the target, else the minimum (0: none)

@@ -545,6 +545,7 @@ int32_t llama_model_moe_stream_fit(llama_model * model, uint32_t * n_ctx, uint32
     in.cycle_bytes = st.cycle_bytes;
     in.least_bytes = st.least_bytes();
     in.margin_pct  = LLAMA_MOE_FIT_MARGIN_PCT;
+    in.keep_pct    = LLAMA_MOE_FIT_KEEP_PCT;
     in.n_seq       = std::max(1u, *n_seq);
     in.unified     = unified || in.n_seq == 1;
     in.n_ctx       = *n_ctx > 0 ? *n_ctx : model->hparams.n_ctx_train * (in.unified ? 1 : in.n_seq);

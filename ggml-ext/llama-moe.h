@@ -224,9 +224,10 @@ LLAMA_API int32_t llama_model_moe_stream_init(struct llama_model * model, int32_
 // cannot tell. *n_ctx: the context asked, tokens in all (0: the model's n_ctx_train per slot when not
 // unified, in all when unified); *n_seq: its slots; unified: one KV pool that every slot draws from
 // (else each slot holds n_ctx / n_seq tokens). user_sized: the user sized the context (-c, or --fit
-// off): it is never shrunk. A default context that leaves the budget under the cache cycle plus
-// LLAMA_MOE_FIT_MARGIN_PCT % shrinks: fewer slots first (when not unified), then shorter ones, never
-// under n_ctx_min tokens in all; on LLAMA_MOE_FIT_SHRUNK *n_ctx and *n_seq are the context to create.
+// off): it is never shrunk. A default context that leaves the budget under its target (the larger of
+// the cache cycle plus LLAMA_MOE_FIT_MARGIN_PCT % and LLAMA_MOE_FIT_KEEP_PCT % of the budget beside
+// its least context) shrinks: fewer slots first (when not unified), then shorter ones, never under
+// n_ctx_min tokens in all; on LLAMA_MOE_FIT_SHRUNK *n_ctx and *n_seq are the context to create.
 // One the user sized runs as asked, with the cycle WARN when the budget falls under the cycle. A fixed
 // budget that does not fit beside the contexts is clamped to the largest that leaves the floor (a WARN).
 // One line states the arithmetic. Returns LLAMA_MOE_FIT_* (below); LLAMA_MOE_FIT_ERR_REFUSED (one
@@ -238,6 +239,7 @@ LLAMA_API int32_t llama_model_moe_stream_init(struct llama_model * model, int32_
 #define LLAMA_MOE_FIT_UNDER_CYCLE  3    // runs as asked with the budget under the cycle plus the margin
 #define LLAMA_MOE_FIT_ERR_REFUSED  (-3) // the context cannot fit beside the dense weights and the tier's minimum
 #define LLAMA_MOE_FIT_MARGIN_PCT   10   // a default context leaves the budget the cache cycle plus this, %
+#define LLAMA_MOE_FIT_KEEP_PCT     90   // and this share of what the least context would leave, %
 #define LLAMA_MOE_FIT_CTX_MIN      4096 // the least context a shrink leaves, tokens in all (upstream --fit's -fitc default)
 typedef int64_t (*llama_moe_fit_measure_cb)(uint32_t n_ctx, uint32_t n_seq, void * user_data);
 LLAMA_API int32_t llama_model_moe_stream_fit(struct llama_model * model, uint32_t * n_ctx, uint32_t * n_seq, bool unified,

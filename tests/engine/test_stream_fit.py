@@ -9,8 +9,9 @@ through common, as ``llama-server`` does. The oracles:
   reports, to the 0.1 MiB of the lines;
 - the budget it leaves is recomputed here from the rule: whole entries of (entry + page rounding)
   from the room (available - dense - floor) less the contexts;
-- a default context that would leave the budget under the cycle + 10 % shrinks to the largest
-  context (256-token grid, >= 4096) that keeps it, and the next grid step would not;
+- a default context that would leave the budget under its target shrinks to the largest context
+  (256-token grid, >= 4096) that keeps it; the target is the larger of the cycle + 10 % and 90 % of
+  the budget the least context (4096 tokens) leaves;
 - a context the user sized runs as asked (the cycle WARN when under it), or is refused in one line;
 - every run's tokens and logits equal an all-resident run's at the same context.
 """
@@ -79,6 +80,14 @@ def created_ctx(log: str) -> tuple[int, float | None]:
     return n, float(m.group(1)) if m else None
 
 
+def target_mib(line: str) -> tuple[float, float | None]:
+    """(the target, the least context's budget or None) a default context's fit line names, MiB."""
+    m = re.search(r"under ([\d.]+) MiB, 90 % of the ([\d.]+) MiB the least context leaves", line)
+    if m:
+        return float(m.group(1)), float(m.group(2))
+    return float(re.search(r"cache cycle of [\d.]+ MiB \+ 10 % = ([\d.]+) MiB", line).group(1)), None
+
+
 def budget_entries(facts, avail: int, ctx_bytes: int) -> int:
     room = (avail - facts["dense"] - FLOOR) // facts["cost"]
     return min(room - (-(-ctx_bytes // facts["cost"])), SHAPE["n_layer"] * SHAPE["n_expert"])
@@ -113,7 +122,14 @@ def test_a_default_context_shrinks_to_keep_the_cycle_and_stays_exact(model, fact
     assert mib == pytest.approx(ctx_mib(r.log, n), abs=0.051)
     avail = int(avail_mib * 1024) * 1024
     entries = budget_entries(facts, avail, int(mib * MIB))
-    assert entries * facts["entry"] >= want  # the budget keeps the cycle + 10 %
+    # the target: 90 % of what the least context leaves (here above the cycle + 10 %), by hand
+    target, least = target_mib(line)
+    least_entries = budget_entries(facts, avail, int(sizes[4096] * MIB))
+    assert least == pytest.approx(least_entries * facts["entry"] / MIB, abs=facts["entry"] / MIB + 0.051)
+    assert target * MIB >= want and target == pytest.approx(
+        least_entries * facts["entry"] * 0.9 // facts["entry"] * facts["entry"] / MIB, abs=facts["entry"] / MIB + 0.051)
+    want = target * MIB
+    assert entries * facts["entry"] >= want - 0.051 * MIB  # the budget keeps the target
     assert f"budget {entries * facts['entry'] / MIB:.1f} MiB" in line or \
         f"budget {(entries - 1) * facts['entry'] / MIB:.1f} MiB" in line, (line, entries)
     assert "below the cache cycle" not in r.log
@@ -170,6 +186,7 @@ def test_a_fixed_budget_is_clamped_beside_a_default_context_that_keeps_the_cycle
     warns = [ln for ln in r.log.splitlines() if "WARNING --moe-stream-cache-mb 12 MiB does not fit" in ln]
     assert len(warns) == 1, r.log[-3000:]
     entries = budget_entries(facts, int(avail_mib * 1024) * 1024, int(mib * MIB))
-    assert entries * facts["entry"] >= want and entries * facts["entry"] < 12 * MIB
+    target, _ = target_mib(line)
+    assert entries * facts["entry"] >= min(want, target * MIB) - 0.051 * MIB and entries * facts["entry"] < 12 * MIB
     base = run(model, tmp_path, None, [], "base", ctx=n)
     assert r.tokens == base.tokens and r.logits == base.logits
