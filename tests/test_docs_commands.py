@@ -234,6 +234,35 @@ def test_make_synth_names_each_bad_argument(args, says, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("name", ["pybmoe-make-synth", "pybmoe make-model"])
+@pytest.mark.parametrize("case", ["missing folder", "a file as the folder", "a folder as OUT"])
+def test_the_writers_create_no_folder_and_refuse_one_as_out(name, case, tmp_path):
+    """Issue 43, item 3: `pybmoe make-model /nonexistent/dir/x.gguf` exited 0 and created the folders
+    (as root, at /); now both writers refuse an OUT whose folder does not exist in one line, exit 2,
+    and leave nothing behind."""
+    out = {"missing folder": tmp_path / "no" / "such" / "x.gguf", "a file as the folder": tmp_path / "f" / "x.gguf",
+           "a folder as OUT": tmp_path / "d"}[case]
+    if case == "a file as the folder":
+        out.parent.write_text("")
+    if case == "a folder as OUT":
+        out.mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    if name == "pybmoe-make-synth":
+        r = _entry(name, str(out), "--n-layer", "2", cwd=tmp_path)
+    else:
+        r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "make-model", str(out), "--layers", "1"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    says = {"missing folder": f"{out}: the folder {out.parent} does not exist; create it first "
+                              f"(mkdir -p {out.parent})",
+            "a file as the folder": f"{out}: {out.parent} is not a folder",
+            "a folder as OUT": f"{out} is a folder; accepted: the path of the .gguf file to write"}[case]
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.splitlines()[0] == f"{name}: error: {says}", r.stderr
+    assert "Traceback" not in r.stderr
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_make_synth_defaults_the_vocab_to_the_pinned_one(tmp_path):
     """Finding 1: --vocab was required; now the pinned Qwen2 vocab that `pybmoe make-model` embeds."""
     from pybmoe.cli import tools
