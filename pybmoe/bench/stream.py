@@ -414,6 +414,16 @@ def plot(summary: pd.DataFrame, out_dir: Path, title: str) -> list[Path]:
     return paths
 
 
+def check_model(model: str | os.PathLike) -> Path:
+    """``model`` as a Path. Raises :class:`ValueError` naming what it is when it is not a file (a
+    directory, missing, not a regular file)."""
+    model = Path(model)
+    if not model.is_file():
+        what = "is a directory" if model.is_dir() else "is not a regular file" if model.exists() else "does not exist"
+        raise ValueError(f"model {model} {what}; accepted: a GGUF file")
+    return model
+
+
 def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_mib: int | None,
                  budgets: Sequence[str] = ("auto",), n_prompt: int = 64, n_gen: int = 32, repeats: int = 3,
                  threads: int = 2, ubatch: int = 512, io_threads: int | None = None, floor_mib: int | None = None,
@@ -435,9 +445,7 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
     called with 1 after each run. Raises :class:`ValueError` for bad arguments and
     :class:`pybmoe.engine.EngineError` when a run fails.
     """
-    model = Path(model)
-    if not model.is_file():
-        raise ValueError(f"model {model} does not exist; accepted: a GGUF file")
+    model = check_model(model)
     for name, v, lo in (("n_prompt", n_prompt, 1), ("n_gen", n_gen, 1), ("repeats", repeats, 1),
                         ("threads", threads, 1), ("ubatch", ubatch, 1), ("io_threads", io_threads or 1, 1),
                         ("floor_mib", 0 if floor_mib is None else floor_mib, 0)):

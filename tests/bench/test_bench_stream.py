@@ -159,3 +159,15 @@ def test_the_defaults_point_passes_auto_and_nothing_else(tmp_path):
     assert tier == ["--moe-stream-cache-mb"] and cmd[cmd.index("--moe-stream-cache-mb") + 1] == "auto"
     fixed = stream.bench_command(tmp_path / "m.gguf", pts[3], "tg", **{**kw, "floor_mib": 0})
     assert fixed[fixed.index("--dense-weights") + 1] == "anon" and "--moe-stream-floor-mb" in fixed
+
+
+@pytest.mark.parametrize("case", ["directory", "missing"])
+def test_a_model_that_is_not_a_file_is_named_as_what_it_is(case, tmp_path, capsys):
+    """Issue 43, item 7: `pybmoe bench-stream -m DIR` said the directory "does not exist"."""
+    model = tmp_path / "models"
+    if case == "directory":
+        model.mkdir()
+    assert cli.main(["-m", str(model), "--out", str(tmp_path / "out")]) == 2
+    what = "is a directory" if case == "directory" else "does not exist"
+    assert capsys.readouterr().err == f"pybmoe bench-stream: error: model {model} {what}; accepted: a GGUF file\n"
+    assert not (tmp_path / "out").exists()
