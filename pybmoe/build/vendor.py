@@ -81,6 +81,7 @@ class EngineSource:
     sha256: str        # hex digest of the sdist
     path: str          # folder of the llama.cpp tree inside the sdist (POSIX, from its root)
     url: str = ""      # where to fetch it when the registry's JSON API cannot say
+    sha256_from: str = ""  # where sha256 comes from when not the pin (engine_release: the registry's JSON API)
 
     @property
     def stem(self) -> str:
@@ -205,9 +206,11 @@ def verify_sdist(path: Path, pin: Upstream | EngineSource) -> None:
     bindings' sdist, or the engine's)."""
     got = sha256_file(path)
     if got != pin.sha256:
+        source = getattr(pin, "sha256_from", "") or "vendor/upstream.toml"
+        what = "the pin" if source == "vendor/upstream.toml" else "the registry's"
         raise HashMismatchError(
-            f"refusing {path.name}: sha256 {got} does not match the pin {pin.sha256} "
-            f"in vendor/upstream.toml (tampered or wrong download)")
+            f"refusing {path.name}: sha256 {got} does not match {what} {pin.sha256} "
+            f"in {source} (tampered or wrong download)")
 
 
 def pypi_json_base() -> str:
@@ -260,7 +263,8 @@ def engine_release(name: str, version: str) -> EngineSource:
     if not sha:
         raise VendorError(f"{pypi_json_base()} lists no sha256 for {f['filename']}; refusing an unverified download")
     stem = f["filename"][: -len(".tar.gz")] if f["filename"].endswith(".tar.gz") else f["filename"]
-    return EngineSource(name, version, f["filename"], sha, f"{stem}/llama.cpp", f["url"])
+    return EngineSource(name, version, f["filename"], sha, f"{stem}/llama.cpp", f["url"],
+                        sha256_from=f"{pypi_json_base()}/{name}/json")
 
 
 def engine_url(eng: EngineSource) -> str:
