@@ -302,6 +302,25 @@ def test_rebasing_states_no_stale_count_of_the_series():
     assert cited and f"def {cited.group(1)}(" in (ROOT / "tests" / "build" / "test_patches.py").read_text()
 
 
+def test_rebasing_names_the_engines_version_as_the_pin_itself():
+    """Issue 43, item 10: docs/rebasing.md said that onto the pin itself every patch replays clean with
+    `--onto 0.3.36`; since the engine comes from its own sdist that gives 5 clean and 28 fuzzy (the
+    bindings' sdist vendors the old llama.cpp). The pin itself is the engine's version, and the test
+    the page cites for it rebases onto that version."""
+    from pybmoe.build import vendor
+    pin = vendor.load_pin(ROOT)
+    text = " ".join((ROOT / "docs" / "rebasing.md").read_text().split())
+    said = re.search(r"the pin itself is the engine's version: `pybmoe patches rebase --onto ([^`]+)`", text)
+    assert said and said.group(1) == pin.engine.version, said
+    cited = (ROOT / "tests" / "build" / "test_patches.py").read_text()
+    body = cited.split("def test_rebase_onto_the_pinned_version_is_all_clean(", 1)[1].split("\ndef ", 1)[0]
+    assert "onto = pin.engine.version if pin.engine else pin.version" in body
+    assert f"`--onto {pin.version}` now takes the llama.cpp vendored in llama-cpp-python {pin.version}" in text
+    # the README's one line on the tool names both kinds of version
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"--onto {pin.engine.version}" in readme
+
+
 def _minutes(text: str) -> float:
     m = re.search(r"(\d+) min (\d+) s of pytest", text)
     return int(m.group(1)) + int(m.group(2)) / 60
