@@ -39,8 +39,10 @@ Outputs, in the output folder:
   route-replay trace, ``predicted_ts`` on the stream points' decode
   rows: :func:`pybmoe.routing.sizing.predict_stream` at the point's budget, from the trace, the disk
   bandwidth the stream runs measured (MiB read / io wait) and the resident point's decode.
-- ``stream-tg.png`` and ``stream-pp.png``: tok/s per point (median, min-max bars) with the ratio
-  over mmap written on each bar.
+- ``stream-tg.png`` and ``stream-pp.png``: tok/s per point (median bars, each repeat a dot, min-max
+  bars) with the ratio over mmap written on each bar and the serial and overlapped limits as ticks,
+  and below, the tier's hit rate; the resident bar is hatched and labelled as run with no limit and
+  warm (:func:`pybmoe.bench.plot.stream_figure`).
 - ``logs/``: each run's stderr.
 
 **The disk and the limit of every point.** Before each repeat the benchmark probes the disk on the
@@ -385,33 +387,13 @@ def predict(runs: pd.DataFrame, summary: pd.DataFrame, model: Path, trace_path: 
     return s
 
 
-def plot(summary: pd.DataFrame, out_dir: Path, title: str) -> list[Path]:
-    """``stream-<mode>.png``: tok/s per point with min-max bars and the ratio over mmap."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    paths = []
-    for mode in MODES:
-        d = summary[summary["mode"] == mode]
-        if d.empty:
-            continue
-        fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(d)), 3.6))
-        x = np.arange(len(d))
-        err = np.vstack([d.median_ts - d.min_ts, d.max_ts - d.median_ts])
-        ax.bar(x, d.median_ts, yerr=err, capsize=3,
-               color=["#999999" if p == "mmap" else "#cc6677" if p == "defaults" else "#4477aa" for p in d.point])
-        for xi, r in zip(x, d.itertuples()):
-            ax.annotate(f"{r.ratio:.2f}x", (xi, r.median_ts), ha="center", va="bottom", fontsize=8,
-                        xytext=(0, 2), textcoords="offset points")
-        ax.set_xticks(x, d.point, rotation=20, ha="right")
-        ax.set_ylabel(f"{'decode' if mode == 'tg' else 'prefill'} tok/s (median)")
-        ax.set_title(title, fontsize=9)
-        fig.tight_layout()
-        p = out_dir / f"stream-{mode}.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
-    return paths
+def plot(summary: pd.DataFrame, out_dir: Path, title: str, runs: pd.DataFrame | None = None) -> list[Path]:
+    """``stream-<mode>.png`` per mode (:func:`pybmoe.bench.plot.stream_figure`): tok/s per point with
+    each repeat, the min-max and the limits, the ratio over mmap, and the tier's hit rate; the
+    all-resident point marked as unlimited and warm. Returns the paths written."""
+    from .plot import stream_plot
+    return [stream_plot(summary, runs, out_dir / f"stream-{mode}.png", mode, title=title)
+            for mode in MODES if (summary["mode"] == mode).any()]
 
 
 def check_model(model: str | os.PathLike) -> Path:
@@ -497,7 +479,7 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
         summary = predict(runs, summary, model, rp)
     summary.to_csv(out / "stream-summary.csv", index=False)
     title = f"{model.name}: limit {limit_mib} MiB" if limit_mib else f"{model.name}: no memory limit"
-    plot(summary, out, title)
+    plot(summary, out, title, runs)
     return StreamBenchResult(runs, summary, out, limit_mib, notes)
 
 
