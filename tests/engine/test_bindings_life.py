@@ -187,7 +187,7 @@ def _dense_with_expert_count(tmp_path: Path) -> Path:
     saved = writer.ARCHES["qwen3"]
     writer.ARCHES["qwen3"] = writer.ArchDef("qwen3", dense.plan, kvs, moe=False)
     try:
-        return models.make_model(tmp_path / "dense-e.gguf", arch="qwen3", n_layer=2)
+        return models.make_model(tmp_path / "dense-e.gguf", arch="qwen3", n_layer=2, n_embd=64, n_ff_exp=64, n_head=2, n_head_kv=1, head_dim=32)  # 16 MiB
     finally:
         writer.ARCHES["qwen3"] = saved
 
