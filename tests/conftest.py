@@ -68,7 +68,7 @@ def pytest_configure(config):
 # --------------------------------------------------------------------------- the slow marker
 # Tests of 3 s or more (all parametrizations together; measured on the 2-core project machine,
 # 2026-12-02, docs/build.md), marked `slow` here in one table rather than in each file, so that
-# `tools/test.sh -m "not slow"` (about 5 minutes, docs/build.md) leaves them out; CI runs everything. A new test that
+# `tools/test.sh -m "not slow"` (its times: docs/build.md) leaves them out; CI runs everything. A new test that
 # takes seconds joins this table; tests/test_readme.py checks that every name here exists.
 SLOW: dict[str, str | set[str]] = {
     "tests/bench/test_bench.py": {  # the two module fixtures' sweeps: 8 s each, paid by the first test using one
