@@ -390,8 +390,12 @@ def predict(runs: pd.DataFrame, summary: pd.DataFrame, model: Path, trace_path: 
 def plot(summary: pd.DataFrame, out_dir: Path, title: str, runs: pd.DataFrame | None = None) -> list[Path]:
     """``stream-<mode>.png`` per mode (:func:`pybmoe.bench.plot.stream_figure`): tok/s per point with
     each repeat, the min-max and the limits, the ratio over mmap, and the tier's hit rate; the
-    all-resident point marked as unlimited and warm. Returns the paths written."""
+    all-resident point marked as unlimited and warm. The repeats come from ``runs``, else from
+    ``out_dir/stream-runs.csv`` when it is there (what :func:`bench_stream` wrote). Returns the paths
+    written."""
     from .plot import stream_plot
+    if runs is None and (out_dir / "stream-runs.csv").is_file():
+        runs = pd.read_csv(out_dir / "stream-runs.csv")
     return [stream_plot(summary, runs, out_dir / f"stream-{mode}.png", mode, title=title)
             for mode in MODES if (summary["mode"] == mode).any()]
 
@@ -479,7 +483,7 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
         summary = predict(runs, summary, model, rp)
     summary.to_csv(out / "stream-summary.csv", index=False)
     title = f"{model.name}: limit {limit_mib} MiB" if limit_mib else f"{model.name}: no memory limit"
-    plot(summary, out, title, runs)
+    plot(summary, out, title)
     return StreamBenchResult(runs, summary, out, limit_mib, notes)
 
 
