@@ -213,3 +213,14 @@ def test_the_plot_shows_the_repeats_the_hit_rate_the_limits_and_marks_the_reside
     finally:
         import matplotlib.pyplot as plt
         plt.close(fig)
+
+
+def test_the_plots_take_the_repeats_from_the_folders_runs(tmp_path, monkeypatch):
+    """bench_stream calls plot(summary, out, title): the repeats come from the stream-runs.csv it wrote."""
+    from pybmoe.bench import plot
+    runs = stream.add_limits(_runs_by_hand())
+    runs.to_csv(tmp_path / "stream-runs.csv", index=False)
+    seen = []
+    monkeypatch.setattr(plot, "stream_plot", lambda summary, r, path, mode, title="": seen.append(r) or path)
+    assert stream.plot(stream.summarize(runs), tmp_path, "t") == [tmp_path / "stream-tg.png"]
+    assert len(seen) == 1 and sorted(seen[0].avg_ts) == sorted(runs.avg_ts)
