@@ -68,7 +68,7 @@ def pytest_configure(config):
 # --------------------------------------------------------------------------- the slow marker
 # Tests of 3 s or more (all parametrizations together; measured on the 2-core project machine,
 # 2026-12-02, docs/build.md), marked `slow` here in one table rather than in each file, so that
-# `tools/test.sh -m "not slow"` (about 5 minutes, docs/build.md) leaves them out; CI runs everything. A new test that
+# `tools/test.sh -m "not slow"` (its times: docs/build.md) leaves them out; CI runs everything. A new test that
 # takes seconds joins this table; tests/test_readme.py checks that every name here exists.
 SLOW: dict[str, str | set[str]] = {
     "tests/bench/test_bench.py": {  # the two module fixtures' sweeps: 8 s each, paid by the first test using one
@@ -80,12 +80,15 @@ SLOW: dict[str, str | set[str]] = {
     },
     "tests/bench/test_disk_probe.py": {  # 17 s per case beside a build (gguf's reader parses the real vocab)
         "test_the_probe_reads_distinct_expert_windows_of_the_file",
+        "test_the_steps_probe_reads_top_k_experts_of_one_layer_per_step",  # 20 s beside other work, 2026-12-06
+        "test_the_record_probe_reads_the_same_experts_in_fewer_reads",  # 27 s beside other work, 2026-12-06
     },
     "tests/bench/test_bench_stream.py": {  # one module fixture runs the benchmark: 17 s
         "test_every_point_and_mode_ran_and_was_written",
         "test_the_stream_points_carry_the_tiers_figures_and_mmap_none",
         "test_the_summary_gives_ratios_over_mmap",
         "test_the_limit_held_or_the_reason_is_given",
+        "test_each_repeat_probes_the_disk_and_every_point_gets_its_limit",  # ran the fixture in the fast subset
     },
     "tests/bench/test_device_bench.py": {
         "test_cpu_smoke_end_to_end",  # 9 s
@@ -158,6 +161,9 @@ SLOW: dict[str, str | set[str]] = {
         "test_draft_model_speculation_is_unchanged_and_says_the_draft_has_no_cache",  # 5 s
         "test_speculative_ngram_greedy_output_is_unchanged",  # 4 s
         "test_ubatches_bit_identical",  # 28 s
+    },
+    "tests/engine/test_stream_frames.py": {
+        "test_page_frames_change_no_hit_and_no_logit",  # 13 s a case beside other work, 2026-12-06
     },
     "tests/engine/test_stream_identity.py": {
         "test_a_split_gguf_is_streamed_in_place",  # 14 s each

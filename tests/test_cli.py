@@ -105,6 +105,19 @@ def test_serve_memory_limit_is_parsed_and_bad_values_are_refused(capsys):
         assert "--memory-limit-mb" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_serve_help_lists_its_own_option_then_llama_servers(flag):
+    """Issue 43, item 11: `pybmoe serve --help` printed only llama-server's help, without its own
+    --memory-limit-mb or the --rpc wait."""
+    r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "serve", flag], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith(serve.serve_usage()), r.stdout[:2000]
+    assert "--memory-limit-mb N" in r.stdout and "PYBMOE_RPC_WAIT_S" in r.stdout
+    upstream = r.stdout[len(serve.serve_usage()):]
+    assert "--moe-expert-cache" in upstream and "--moe-stream-cache-mb" in upstream, upstream[:2000]
+
+
 def test_serve_runs_llama_server_inside_the_memory_limit():
     """`pybmoe serve --memory-limit-mb N` runs the server in a cgroup of N MiB (page cache included), forwards
     SIGTERM to it, and removes the cgroup when it exits."""

@@ -234,6 +234,35 @@ def test_make_synth_names_each_bad_argument(args, says, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("name", ["pybmoe-make-synth", "pybmoe make-model"])
+@pytest.mark.parametrize("case", ["missing folder", "a file as the folder", "a folder as OUT"])
+def test_the_writers_create_no_folder_and_refuse_one_as_out(name, case, tmp_path):
+    """Issue 43, item 3: `pybmoe make-model /nonexistent/dir/x.gguf` exited 0 and created the folders
+    (as root, at /); now both writers refuse an OUT whose folder does not exist in one line, exit 2,
+    and leave nothing behind."""
+    out = {"missing folder": tmp_path / "no" / "such" / "x.gguf", "a file as the folder": tmp_path / "f" / "x.gguf",
+           "a folder as OUT": tmp_path / "d"}[case]
+    if case == "a file as the folder":
+        out.parent.write_text("")
+    if case == "a folder as OUT":
+        out.mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    if name == "pybmoe-make-synth":
+        r = _entry(name, str(out), "--n-layer", "2", cwd=tmp_path)
+    else:
+        r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "make-model", str(out), "--layers", "1"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    says = {"missing folder": f"{out}: the folder {out.parent} does not exist; create it first "
+                              f"(mkdir -p {out.parent})",
+            "a file as the folder": f"{out}: {out.parent} is not a folder",
+            "a folder as OUT": f"{out} is a folder; accepted: the path of the .gguf file to write"}[case]
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.splitlines()[0] == f"{name}: error: {says}", r.stderr
+    assert "Traceback" not in r.stderr
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_make_synth_defaults_the_vocab_to_the_pinned_one(tmp_path):
     """Finding 1: --vocab was required; now the pinned Qwen2 vocab that `pybmoe make-model` embeds."""
     from pybmoe.cli import tools
@@ -271,6 +300,36 @@ def test_rebasing_states_no_stale_count_of_the_series():
         assert int(m.group(1)) == n, f"docs/rebasing.md: {m.group(0)!r}, but patches/series has {n}"
     cited = re.search(r"tests/build/test_patches\.py::(\w+)", text)
     assert cited and f"def {cited.group(1)}(" in (ROOT / "tests" / "build" / "test_patches.py").read_text()
+
+
+def test_rebasing_names_the_engines_version_as_the_pin_itself():
+    """Issue 43, item 10: docs/rebasing.md said that onto the pin itself every patch replays clean with
+    `--onto 0.3.36`; since the engine comes from its own sdist that gives 5 clean and 28 fuzzy (the
+    bindings' sdist vendors the old llama.cpp). The pin itself is the engine's version, and the test
+    the page cites for it rebases onto that version."""
+    from pybmoe.build import vendor
+    pin = vendor.load_pin(ROOT)
+    text = " ".join((ROOT / "docs" / "rebasing.md").read_text().split())
+    said = re.search(r"the pin itself is the engine's version: `pybmoe patches rebase --onto ([^`]+)`", text)
+    assert said and said.group(1) == pin.engine.version, said
+    cited = (ROOT / "tests" / "build" / "test_patches.py").read_text()
+    body = cited.split("def test_rebase_onto_the_pinned_version_is_all_clean(", 1)[1].split("\ndef ", 1)[0]
+    assert "onto = pin.engine.version if pin.engine else pin.version" in body
+    assert f"`--onto {pin.version}` now takes the llama.cpp vendored in llama-cpp-python {pin.version}" in text
+    # the README's one line on the tool names both kinds of version
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"--onto {pin.engine.version}" in readme
+
+
+def test_the_loopback_page_quotes_the_readmes_demo_ratio():
+    """Issue 43, item 14: docs/loopback.md quoted 10.2x and said "the README shows that run", while the
+    README's demo output shows 12.62x. The ratio it gives as the README's is the README's."""
+    readme = (ROOT / "README.md").read_text()
+    ratio = re.search(r"^ratio\s+: ([0-9.]+)x$", readme, re.M).group(1)
+    text = " ".join((ROOT / "docs" / "loopback.md").read_text().split())
+    quoted = re.search(r"prints the ratio: ([0-9.]+)× mmap's decode in the README's run \((\d{4}-\d\d-\d\d)", text)
+    assert quoted and quoted.group(1) == ratio, (quoted and quoted.group(0), ratio)
+    assert quoted.group(2) in readme  # the README dates that run
 
 
 def _minutes(text: str) -> float:

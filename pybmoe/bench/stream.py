@@ -39,8 +39,10 @@ Outputs, in the output folder:
   route-replay trace, ``predicted_ts`` on the stream points' decode
   rows: :func:`pybmoe.routing.sizing.predict_stream` at the point's budget, from the trace, the disk
   bandwidth the stream runs measured (MiB read / io wait) and the resident point's decode.
-- ``stream-tg.png`` and ``stream-pp.png``: tok/s per point (median, min-max bars) with the ratio
-  over mmap written on each bar.
+- ``stream-tg.png`` and ``stream-pp.png``: tok/s per point (median bars, each repeat a dot, min-max
+  bars) with the ratio over mmap written on each bar and the serial and overlapped limits as ticks,
+  and below, the tier's hit rate; the resident bar is hatched and labelled as run with no limit and
+  warm (:func:`pybmoe.bench.plot.stream_figure`).
 - ``logs/``: each run's stderr.
 
 **The disk and the limit of every point.** Before each repeat the benchmark probes the disk on the
@@ -388,33 +390,27 @@ def predict(runs: pd.DataFrame, summary: pd.DataFrame, model: Path, trace_path: 
     return s
 
 
-def plot(summary: pd.DataFrame, out_dir: Path, title: str) -> list[Path]:
-    """``stream-<mode>.png``: tok/s per point with min-max bars and the ratio over mmap."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    paths = []
-    for mode in MODES:
-        d = summary[summary["mode"] == mode]
-        if d.empty:
-            continue
-        fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(d)), 3.6))
-        x = np.arange(len(d))
-        err = np.vstack([d.median_ts - d.min_ts, d.max_ts - d.median_ts])
-        ax.bar(x, d.median_ts, yerr=err, capsize=3,
-               color=["#999999" if p == "mmap" else "#cc6677" if p == "defaults" else "#4477aa" for p in d.point])
-        for xi, r in zip(x, d.itertuples()):
-            ax.annotate(f"{r.ratio:.2f}x", (xi, r.median_ts), ha="center", va="bottom", fontsize=8,
-                        xytext=(0, 2), textcoords="offset points")
-        ax.set_xticks(x, d.point, rotation=20, ha="right")
-        ax.set_ylabel(f"{'decode' if mode == 'tg' else 'prefill'} tok/s (median)")
-        ax.set_title(title, fontsize=9)
-        fig.tight_layout()
-        p = out_dir / f"stream-{mode}.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
-    return paths
+def plot(summary: pd.DataFrame, out_dir: Path, title: str, runs: pd.DataFrame | None = None) -> list[Path]:
+    """``stream-<mode>.png`` per mode (:func:`pybmoe.bench.plot.stream_figure`): tok/s per point with
+    each repeat, the min-max and the limits, the ratio over mmap, and the tier's hit rate; the
+    all-resident point marked as unlimited and warm. The repeats come from ``runs``, else from
+    ``out_dir/stream-runs.csv`` when it is there (what :func:`bench_stream` wrote). Returns the paths
+    written."""
+    from .plot import stream_plot
+    if runs is None and (out_dir / "stream-runs.csv").is_file():
+        runs = pd.read_csv(out_dir / "stream-runs.csv")
+    return [stream_plot(summary, runs, out_dir / f"stream-{mode}.png", mode, title=title)
+            for mode in MODES if (summary["mode"] == mode).any()]
+
+
+def check_model(model: str | os.PathLike) -> Path:
+    """``model`` as a Path. Raises :class:`ValueError` naming what it is when it is not a file (a
+    directory, missing, not a regular file)."""
+    model = Path(model)
+    if not model.is_file():
+        what = "is a directory" if model.is_dir() else "is not a regular file" if model.exists() else "does not exist"
+        raise ValueError(f"model {model} {what}; accepted: a GGUF file")
+    return model
 
 
 def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_mib: int | None,
@@ -441,9 +437,7 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
     called with 1 after each run. Raises :class:`ValueError` for bad arguments and
     :class:`pybmoe.engine.EngineError` when a run fails.
     """
-    model = Path(model)
-    if not model.is_file():
-        raise ValueError(f"model {model} does not exist; accepted: a GGUF file")
+    model = check_model(model)
     for name, v, lo in (("n_prompt", n_prompt, 1), ("n_gen", n_gen, 1), ("repeats", repeats, 1),
                         ("threads", threads, 1), ("ubatch", ubatch, 1), ("io_threads", io_threads or 1, 1),
                         ("floor_mib", 0 if floor_mib is None else floor_mib, 0)):

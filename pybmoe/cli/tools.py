@@ -10,6 +10,7 @@ Qwen2 vocab (:func:`pybmoe.models.default_vocab_path`), the one ``pybmoe make-mo
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from .serve import _exec
 
@@ -60,8 +61,9 @@ def make_synth_args(argv: list[str], vocab: str | None = None) -> list[str]:
     appended when absent (``vocab``, default :func:`pybmoe.models.default_vocab_path`).
 
     Raises:
-        UsageError: an unknown option, an option without its value, a second output path, or no
-            output path (OUT); the message names it.
+        UsageError: an unknown option, an option without its value, a second output path, no
+            output path (OUT), or (unless ``--dry-run``) an OUT whose folder does not exist or that is a
+            folder (:func:`pybmoe.cli.make_model.out_path_error`); the message names it.
         FileNotFoundError: no ``--vocab`` given and the pinned vocab is not there.
     """
     out, has_vocab, i = None, False, 0
@@ -85,6 +87,11 @@ def make_synth_args(argv: list[str], vocab: str | None = None) -> list[str]:
     if out is None:
         raise UsageError("missing OUT, the .gguf to write (its first argument that is not an option), e.g. "
                          "pybmoe-make-synth synth.gguf --n-layer 24 --n-expert 64")
+    if "--dry-run" not in argv:
+        from .make_model import out_path_error
+        why = out_path_error(Path(out))
+        if why:
+            raise UsageError(why)
     if has_vocab:
         return list(argv)
     if vocab is None:

@@ -24,7 +24,19 @@ def _into_cache(path: Path, source) -> None:
         shutil.copyfile(path, cache / source.filename)
 
 
+def local_file_error(flag: str, path: Path | None) -> str | None:
+    """Why ``path``, given as ``flag``, is not a local sdist to read (no such file, a directory, not a
+    regular file), in one line; None when it is one or was not given."""
+    if path is None or path.is_file():
+        return None
+    what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "no such file"
+    return f"{flag} {path}: {what}; accepted: a local .tar.gz sdist (its sha256 is checked against the pin)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``pybmoe vendor [--force] [--sdist FILE] [--engine-sdist FILE]``; returns the exit status: 0, or 2
+    with one line on stderr (a local sdist that is not a file, one that fails its sha256, a dirty tree, a
+    patch that does not apply)."""
     ap = argparse.ArgumentParser(prog="pybmoe vendor", description=vendor.__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="discard uncommitted edits in the vendored tree")
     ap.add_argument("--sdist", type=Path, help="use this local sdist file instead of downloading "
@@ -32,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-sdist", type=Path, help="use this local file as the engine's sdist ([engine] of "
                     "vendor/upstream.toml) instead of downloading it (still verified against its sha256)")
     a = ap.parse_args(argv)
+    for flag, path in (("--sdist", a.sdist), ("--engine-sdist", a.engine_sdist)):
+        why = local_file_error(flag, path)
+        if why:
+            print(f"pybmoe vendor: error: {why}", file=sys.stderr)
+            return 2
     try:
         root = project_root()
         pin = load_pin(root)

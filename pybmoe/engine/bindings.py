@@ -243,6 +243,10 @@ def _llama_lib() -> ctypes.CDLL:
         lib.llama_model_moe_stream_get_stats.restype = ctypes.c_bool
         lib.llama_model_moe_dense_weights.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.llama_model_moe_dense_weights.restype = ctypes.c_int32
+        lib.llama_model_moe_trace_open.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32]
+        lib.llama_model_moe_trace_open.restype = ctypes.c_int32
+        lib.llama_model_moe_route_replay_open.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32]
+        lib.llama_model_moe_route_replay_open.restype = ctypes.c_int32
         lib.llama_moe_stream_hint_lazy_load.argtypes = [ctypes.c_char_p]
         lib.llama_moe_stream_hint_lazy_load.restype = None
         _libs["llama"] = lib
@@ -414,13 +418,20 @@ def _device_names(handles: Sequence[int] | None) -> list[str]:
 COUNT_MAX = 2**31 - 1
 
 
-def _check_count(name: str, v, allow_auto: bool = False) -> int:
+def _check_count(name: str, v, allow_auto: bool = False, lo: int = 0, hi: int = COUNT_MAX, what: str = "") -> int:
+    """``v`` as the engine's count: an int in ``lo .. hi`` (or ``"auto"`` when ``allow_auto``, returned as
+    LLAMA_MOE_CACHE_AUTO). Raises ValueError naming ``name``, the value and the real range (``what``
+    follows the range, e.g. "MiB" or "(the slots allocated at load)")."""
     if allow_auto and v == "auto":
         return LLAMA_MOE_CACHE_AUTO
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > COUNT_MAX:
-        accepted = f"an integer in 0 .. {COUNT_MAX}" + (" or 'auto'" if allow_auto else "")
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or v > hi:
+        accepted = f"an integer in {lo} .. {hi}" + (f" {what}" if what else "") + (" or 'auto'" if allow_auto else "")
         raise ValueError(f"{name}={v!r} is invalid; accepted: {accepted}")
     return v
+
+
+#: The stream tier's read lanes the engine takes (llama-moe.h: 1 .. 64).
+STREAM_IO_THREADS_MAX = 64
 
 
 def _import_llama_cpp():
@@ -538,6 +549,48 @@ def _check_kwargs(ours: set[str], kwargs: dict) -> None:
             raise TypeError(f"pybmoe.Llama got an unexpected keyword argument {k!r}{hint}")
 
 
+#: The message of the RuntimeError that any use of a closed :class:`Llama` raises.
+CLOSED = ("this pybmoe.Llama is closed: close() or the end of its with block freed the model; create a new "
+          "Llama to use it again")
+
+
+#: What a closed llama_cpp object still answers: its close() and __del__ (and Python's own names).
+_CLOSED_KEEP = frozenset({"close", "_exit_stack", "sampler", "custom_samplers"})
+_closed_classes: dict[type, type] = {}
+
+
+def _closed_class(cls: type) -> type:
+    """``cls`` (llama_cpp's ``LlamaModel``, ``LlamaContext`` or ``LlamaBatch``) with every attribute but
+    what its ``close()`` and ``__del__`` use raising RuntimeError (:data:`CLOSED`). A closed
+    :class:`Llama`'s objects take it: the freed C pointers stay in them, and llama_cpp's tokenizer and
+    samplers hold them as well as the Llama, so a call on any holder would be a segfault."""
+    if cls not in _closed_classes:
+        def __getattribute__(self, name: str):
+            if name in _CLOSED_KEEP or name.startswith("__"):
+                return object.__getattribute__(self, name)
+            raise RuntimeError(CLOSED)
+
+        _closed_classes[cls] = type(f"Closed{cls.__name__}", (cls,), {"__getattribute__": __getattribute__})
+    return _closed_classes[cls]
+
+
+def _check_path(name: str, v, must_exist: bool) -> str | None:
+    """``v`` (a str or path-like, or None) as a str path: with ``must_exist`` a file, else a path in an
+    existing folder that is not a folder itself. Raises ValueError naming ``name`` and why."""
+    if v is None:
+        return None
+    if not isinstance(v, (str, os.PathLike)) or not os.fspath(v):
+        raise ValueError(f"{name}={v!r} is invalid; accepted: a file path (str or path-like)")
+    p = Path(os.fspath(v))
+    if must_exist and not p.is_file():
+        raise ValueError(f"{name}={os.fspath(v)!r}: " + ("is a directory" if p.is_dir() else "no such file")
+                         + "; accepted: a --moe-trace CSV")
+    if not must_exist and (p.is_dir() or not p.parent.is_dir()):
+        why = "is a directory" if p.is_dir() else f"the folder {p.parent} does not exist"
+        raise ValueError(f"{name}={os.fspath(v)!r}: {why}; accepted: the path of the CSV file to write")
+    return os.fspath(p)
+
+
 class _LoadPlan:
     """What :class:`Llama`'s model load needs (override and device arrays, kept alive with the model)
     and what it reports back (the slots allocated); it holds no reference to the Llama."""
@@ -597,15 +650,24 @@ class Llama(llama_cpp.Llama):
             (the default: with the stream tier at a fixed budget, ``"anon"`` when the GGUF is larger
             than the memory available and the budget and the dense weights fit in it, else ``"mmap"``),
             ``"mmap"``, ``"warm"`` or ``"anon"``.
+        moe_trace: write every MoE layer's routing (and the tiers' hits) to this CSV file
+            (``--moe-trace FILE``; ``docs/traces.md``); its folder must exist. The file is complete once
+            the Llama is freed.
+        moe_route_replay: MoE layers take their experts from this routing trace (a ``--moe-trace``
+            CSV of the model's shape) instead of their router (``--moe-route-replay FILE``); the
+            engine refuses a trace of another shape, a ValueError carrying its reason.
 
     Raises:
         ValueError: a bad cache value or override, an unreachable RPC server, or a model that
-            does not load (as ``llama_cpp.Llama``). A cache that was asked for but cannot engage
+            does not load (as ``llama_cpp.Llama``, with the loader's reason, whatever the verbosity:
+            a truncated or non-GGUF file; a directory is named as one). A cache that was asked for but cannot engage
             raises too: with no device at all (no GPU build, no ``rpc_servers``) the message says
             so; otherwise it carries the engine's WARN/ERROR lines, whatever the verbosity. An
             ``rpc_servers`` endpoint where nothing listens is a ValueError naming it.
         TypeError: an unknown ``moe_*``/``dense_*`` keyword (or one close to a pybmoe keyword); the
             message names the closest valid one.
+        RuntimeError: any use of a Llama after ``close()`` or its ``with`` block (:data:`CLOSED`);
+            stock ``llama_cpp.Llama`` reaches the freed model there and the interpreter dies.
 
     Warns:
         RuntimeWarning: a tier asked for on a model with no MoE layers (the flag is inert).
@@ -623,9 +685,14 @@ class Llama(llama_cpp.Llama):
                  override_tensor: str | Sequence[tuple[str, str]] | None = None,
                  rpc_servers: str | None = None, repack: bool = True, moe_stream_cache_mb: int | str = 0,
                  moe_stream_floor_mb: int | str = "auto", moe_stream_ceil_mb: int = 0,
-                 moe_stream_io_threads: int = 4, dense_weights: str = "auto", **kwargs):
+                 moe_stream_io_threads: int = 4, dense_weights: str = "auto",
+                 moe_trace: str | os.PathLike | None = None, moe_route_replay: str | os.PathLike | None = None,
+                 **kwargs):
         self._stack = contextlib.ExitStack()  # llama_cpp's __del__ needs it even when we raise first
         _check_kwargs(set(inspect.signature(Llama.__init__).parameters) - {"self", "kwargs"}, kwargs)
+        if os.path.isdir(model_path):
+            raise ValueError(f"model_path {os.fspath(model_path)} is a directory; accepted: a GGUF file (the first "
+                             "file of a split GGUF)")
         slots = _check_count("moe_expert_cache", moe_expert_cache, allow_auto=True)
         inserts = _check_count("moe_expert_cache_inserts", moe_expert_cache_inserts)
         warmup = _check_count("moe_expert_cache_warmup", moe_expert_cache_warmup)
@@ -642,9 +709,9 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"dense_weights={dense_weights!r} is invalid; accepted: {', '.join(DENSE_POLICIES)}")
         dense_mode = DENSE_POLICIES[dense_weights]
         stream_ceil = _check_count("moe_stream_ceil_mb", moe_stream_ceil_mb)
-        io_threads = _check_count("moe_stream_io_threads", moe_stream_io_threads)
-        if not 1 <= io_threads <= 64:
-            raise ValueError(f"moe_stream_io_threads={moe_stream_io_threads!r} is invalid; accepted: 1 .. 64")
+        io_threads = _check_count("moe_stream_io_threads", moe_stream_io_threads, lo=1, hi=STREAM_IO_THREADS_MAX)
+        trace_path = _check_path("moe_trace", moe_trace, must_exist=False)
+        replay_path = _check_path("moe_route_replay", moe_route_replay, must_exist=True)
         n_ubatch = int(kwargs.get("n_ubatch", 512))
         endpoints = [ep.strip() for ep in rpc_servers.split(",") if ep.strip()] if rpc_servers else []
         devices = offload_devices(endpoints)  # this model's RPC devices only, not other models'
@@ -742,11 +809,28 @@ class Llama(llama_cpp.Llama):
                 if apply_dense and _llama_lib().llama_model_moe_dense_weights(self.model, dense_mode) < 0:
                     self.close()
                     raise ValueError(_with_reason(f"dense_weights={dense_weights!r} could not be applied", mark))
+                # the trace and the replay belong to the model too, after the tiers (as in llama-server)
+                if trace_path is not None and _llama_lib().llama_model_moe_trace_open(
+                        self.model, os.fsencode(trace_path), n_ubatch) < 0:
+                    self.close()
+                    raise ValueError(_with_reason(f"moe_trace={os.fspath(moe_trace)!r}: cannot write the routing "
+                                                  "trace there", mark))
+                if replay_path is not None and _llama_lib().llama_model_moe_route_replay_open(
+                        self.model, os.fsencode(replay_path), n_ubatch) < 0:
+                    self.close()
+                    raise ValueError(_with_reason(f"moe_route_replay={os.fspath(moe_route_replay)!r}: the engine "
+                                                  "refused the routing trace", mark))
 
         with _lock:
             _internals.LlamaModel = _Model
+            mark = _log_mark()
             try:
                 super().__init__(os.fspath(model_path), **kwargs)  # llama_cpp takes a str only
+            except ValueError as e:
+                if not str(e).startswith("Failed to load model"):
+                    raise
+                # llama_cpp says only that the load failed; the loader's lines say why, at any verbosity
+                raise ValueError(_with_reason(str(e), mark)) from None
             finally:
                 _internals.LlamaModel = base
         _live.add(self)
@@ -760,9 +844,21 @@ class Llama(llama_cpp.Llama):
     def close(self) -> None:
         """Frees the model, its contexts, the cache's slots and the stream tier's RAM now (as ``del``
         of the last reference does). Safe to call more than once, and after the RPC server went away
-        (frees on a lost server are no-ops)."""
+        (frees on a lost server are no-ops). Any later use of the Llama (a generation, tokenize, the
+        stats, a setter) raises RuntimeError (:data:`CLOSED`) instead of reaching the freed model."""
         _live.discard(self)
         super().close()
+        # llama_cpp reaches the engine through these three (and its tokenizer through the model)
+        for name in ("_model", "_ctx", "_batch"):
+            obj = self.__dict__.get(name)
+            for cls in (_internals.LlamaModel, _internals.LlamaContext, _internals.LlamaBatch):
+                if isinstance(obj, cls):
+                    obj.__class__ = _closed_class(cls)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` (or the end of the ``with`` block) has freed the model."""
+        return type(self.__dict__.get("_model")) in _closed_classes.values()
 
     def eval(self, tokens) -> None:
         """``llama_cpp.Llama.eval``; a failed decode's RuntimeError carries the engine's reason (a lost
@@ -771,6 +867,8 @@ class Llama(llama_cpp.Llama):
         try:
             super().eval(tokens)
         except RuntimeError as e:
+            if str(e) == CLOSED:
+                raise
             raise RuntimeError(_with_reason(str(e), mark)) from e
 
     def moe_cache_stats(self) -> MoeCacheStats:
@@ -806,12 +904,14 @@ class Llama(llama_cpp.Llama):
             ValueError: a bad value (the message names the accepted range), or the tier is off.
             RuntimeError: called while a graph is being computed (during a generation).
         """
-        n = _check_count("budget_mb", budget_mb)
         st = self.moe_stream_stats()  # ValueError when off
         lo = int(-(-st.min_mib // 1))
-        if n < lo:
-            raise ValueError(f"budget_mb={budget_mb} is under the mechanical minimum; accepted: {lo} .. "
-                             f"{int(-(-st.total_mib // 1))} MiB (more is clamped to every expert's bytes)")
+        whole = isinstance(budget_mb, int) and not isinstance(budget_mb, bool)
+        if not whole or not lo <= budget_mb <= COUNT_MAX:
+            why = "is under the mechanical minimum" if whole and 0 <= budget_mb < lo else "is invalid"
+            raise ValueError(f"budget_mb={budget_mb!r} {why}; accepted: {lo} .. {int(-(-st.total_mib // 1))} MiB "
+                             f"(more, up to {COUNT_MAX}, is clamped to every expert's bytes)")
+        n = budget_mb
         rc = _llama_lib().llama_model_moe_stream_set_budget_mib(self._model.model, n)
         if rc == -2:
             raise RuntimeError("set_moe_stream_budget_mb was called during a generation; call it between generations")
@@ -827,11 +927,11 @@ class Llama(llama_cpp.Llama):
             ValueError: a bad value (the message names the accepted range), or the cache is off.
             RuntimeError: called while a graph is being computed (during a generation).
         """
-        n = _check_count("n_slots", n_slots)
         self.moe_cache_stats()  # ValueError when off
         cap = self._moe_plan.slots_allocated
-        if n > cap:
+        if isinstance(n_slots, int) and not isinstance(n_slots, bool) and n_slots > cap:
             raise ValueError(f"n_slots={n_slots} is out of range; accepted: 0 .. {cap} (the slots allocated at load)")
+        n = _check_count("n_slots", n_slots, hi=cap, what="(the slots allocated at load)")
         rc = _llama_lib().llama_model_moe_cache_set_slots(self._model.model, n)
         if rc == -2:
             raise RuntimeError("set_moe_cache_slots was called during a generation; call it between generations")

@@ -37,7 +37,7 @@ def ensure_cached_model(spec, what: str, progress=say) -> Path:
     from ..models import shapes
     path = models.cached_model_file(spec)
     if not path.is_file():
-        total, _ = shapes.estimate_bytes(spec)
+        total = shapes.estimate_file_bytes(spec)  # the tensors and the header (its vocab)
         progress(f"writing {what} (about {total / 2**20:.0f} MiB) to {path} (once; cached for later runs) ...")
     return models.cached_model_path(spec)
 

@@ -25,6 +25,7 @@ gpt-oss-20b's 2880-wide rows are not a multiple of Q4_K's 256-element block).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +119,17 @@ def estimate_bytes(spec: models.ModelSpec, n_vocab: int | None = None) -> tuple[
         total += rows * models.row_bytes(shape[0], qtype)
     experts = spec.n_layer * spec.n_expert * models.expert_bytes(spec)
     return total, experts
+
+
+def estimate_file_bytes(spec: models.ModelSpec, vocab_path: str | os.PathLike | None = None) -> int:
+    """Bytes of the GGUF file the generator writes for ``spec`` with ``vocab_path`` (default: the pinned
+    vocab), without writing it: :func:`estimate_bytes`' tensors plus the header, whose bulk is the vocab's
+    tokenizer pairs, as large as the vocab GGUF itself (a file of those pairs and no tensor). Within
+    0.1 MiB of the file for the tiny models (alignment padding and the model's own few keys are left
+    out). Raises :class:`FileNotFoundError` without the vocab."""
+    vocab = Path(vocab_path) if vocab_path is not None else models.default_vocab_path()
+    n_vocab = len(next(kv.value for kv in models.tokenizer_kvs(vocab) if kv.key == "tokenizer.ggml.tokens"))
+    return estimate_bytes(spec, n_vocab)[0] + vocab.stat().st_size
 
 
 def write_like(name: str, out: str | Path, *, ftype: str = "Q8_0", seed: int = 0, n_layer: int | None = None,

@@ -159,3 +159,68 @@ def test_the_defaults_point_passes_auto_and_nothing_else(tmp_path):
     assert tier == ["--moe-stream-cache-mb"] and cmd[cmd.index("--moe-stream-cache-mb") + 1] == "auto"
     fixed = stream.bench_command(tmp_path / "m.gguf", pts[3], "tg", **{**kw, "floor_mib": 0})
     assert fixed[fixed.index("--dense-weights") + 1] == "anon" and "--moe-stream-floor-mb" in fixed
+
+
+@pytest.mark.parametrize("case", ["directory", "missing"])
+def test_a_model_that_is_not_a_file_is_named_as_what_it_is(case, tmp_path, capsys):
+    """Issue 43, item 7: `pybmoe bench-stream -m DIR` said the directory "does not exist"."""
+    model = tmp_path / "models"
+    if case == "directory":
+        model.mkdir()
+    assert cli.main(["-m", str(model), "--out", str(tmp_path / "out")]) == 2
+    what = "is a directory" if case == "directory" else "does not exist"
+    assert capsys.readouterr().err == f"pybmoe bench-stream: error: model {model} {what}; accepted: a GGUF file\n"
+    assert not (tmp_path / "out").exists()
+
+
+def _runs_by_hand() -> pd.DataFrame:
+    """Two repeats of mmap, defaults, stream:8 and resident, decode only, with the columns the summary
+    and the limits read (figures made up, not measured)."""
+    rows = []
+    for rep in range(2):
+        for point, kind, ts, hit in (("mmap", "mmap", 1.0, np.nan), ("defaults", "defaults", 8.0, 80.0),
+                                     ("stream:8", "stream", 6.0, 60.0), ("resident", "resident", 20.0, np.nan)):
+            rows.append(dict(point=point, kind=kind, mode="tg", repeat=rep, avg_ts=ts + rep, stream_hit_pct=hit,
+                             read_mib_per_token=4.0, stream_read_mib_per_token=2.0, majflt_per_token=0.0,
+                             stream_io_wait_s=0.1, peak_mib=100.0, probe_mib_s=400.0))
+    return pd.DataFrame(rows)
+
+
+def test_the_plot_shows_the_repeats_the_hit_rate_the_limits_and_marks_the_resident_bar():
+    """Issue 43, item 13: the plots showed only tok/s bars. Each repeat is now a dot, the tier's hit rate
+    has its own axis, the limits are ticks, and the all-resident bar says it ran with no limit, warm."""
+    from pybmoe.bench import plot
+    runs = stream.add_limits(_runs_by_hand())
+    summary = stream.summarize(runs)
+    fig = plot.stream_figure(summary, runs, "tg", title="t")
+    try:
+        ax, bx = fig.axes
+        labels = ax.get_legend_handles_labels()[1]
+        assert {"each repeat", "min–max of the repeats", "serial limit (reads + compute)",
+                "overlapped limit (max of reads, compute)", "resident: no memory limit, warm page cache"} <= set(labels)
+        dots = next(c for c, lab in zip(*ax.get_legend_handles_labels()) if lab == "each repeat")
+        assert sorted(dots.get_offsets()[:, 1]) == sorted(runs.avg_ts)  # every repeat, at its tok/s
+        serial = next(c for c, lab in zip(*ax.get_legend_handles_labels()) if lab.startswith("serial"))
+        want = summary[summary["mode"] == "tg"].median_limit_ts.to_numpy()
+        assert np.allclose(serial.get_offsets()[:, 1].data, want, equal_nan=True)
+        ticks = [t.get_text() for t in bx.get_xticklabels()]
+        assert ticks == ["mmap", "defaults", "stream:8", "resident\n(no limit, warm)"]
+        assert bx.get_ylabel() == "tier hit rate (%)"
+        assert [round(p.get_height()) for p in bx.patches] == [0, 80, 60, 0]  # medians of 80 and 60 (no tier: 0)
+        assert ["n/a", "80%", "60%", "n/a"] == [t.get_text() for t in bx.texts]
+        resident = [p for p in ax.patches if p.get_hatch()]
+        assert len(resident) == 1 and resident[0].get_x() < 3 < resident[0].get_x() + resident[0].get_width()
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+
+
+def test_the_plots_take_the_repeats_from_the_folders_runs(tmp_path, monkeypatch):
+    """bench_stream calls plot(summary, out, title): the repeats come from the stream-runs.csv it wrote."""
+    from pybmoe.bench import plot
+    runs = stream.add_limits(_runs_by_hand())
+    runs.to_csv(tmp_path / "stream-runs.csv", index=False)
+    seen = []
+    monkeypatch.setattr(plot, "stream_plot", lambda summary, r, path, mode, title="": seen.append(r) or path)
+    assert stream.plot(stream.summarize(runs), tmp_path, "t") == [tmp_path / "stream-tg.png"]
+    assert len(seen) == 1 and sorted(seen[0].avg_ts) == sorted(runs.avg_ts)

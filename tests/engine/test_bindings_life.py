@@ -58,7 +58,8 @@ def test_the_context_manager_and_close_free_at_once(model_q8, rpc):
     with _llama(model_q8, rpc.endpoint) as llm:
         assert llm("Hi", max_tokens=2, temperature=0)["choices"][0]["text"] is not None
         assert llm.moe_cache_stats().n_slots == 8
-    assert llm not in bindings._live and llm._model.model is None  # the model was freed at the block's end
+        model = llm._model
+    assert llm not in bindings._live and vars(model)["model"] is None and llm.closed  # freed at the block's end
     llm.close()  # a second close is harmless
     w = weakref.ref(llm)
     del llm
@@ -96,6 +97,64 @@ def test_a_misspelt_tier_keyword_is_a_type_error_naming_the_closest(model_q8):
         bindings.Llama(model_q8, moe_expert_cach=8, verbose=False)
 
 
+@pytest.mark.parametrize("case", ["truncated", "not a gguf", "directory"])
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_model_that_does_not_load_carries_the_loaders_reason(model_q8, tmp_path, case, verbose):
+    """Issue 43, item 1: at verbose=False a truncated GGUF, a non-GGUF file and a directory raised only
+    `Failed to load model from file: PATH`; the loader's own line showed only at verbose=True."""
+    path = tmp_path / "m.gguf"
+    if case == "truncated":
+        path.write_bytes(model_q8.read_bytes()[: model_q8.stat().st_size // 2])
+    elif case == "not a gguf":
+        path.write_text("this is not a model\n" * 100)
+    else:
+        path.mkdir()
+    with pytest.raises(ValueError) as e:
+        bindings.Llama(path, n_ctx=256, verbose=verbose)
+    msg = str(e.value)
+    if case == "directory":
+        assert msg == f"model_path {path} is a directory; accepted: a GGUF file (the first file of a split GGUF)"
+        return
+    assert msg.startswith(f"Failed to load model from file: {path}; the engine said: "), msg
+    why = {"truncated": "tensor 'token_embd.weight' data is not within the file bounds, model is corrupted or "
+                        "incomplete",
+           "not a gguf": "invalid magic characters: 'this', expected 'GGUF'"}
+    assert why[case] in msg.split("the engine said: ", 1)[1], msg
+
+
+def test_a_closed_llama_raises_instead_of_crashing(tmp_path):
+    """Issue 43, item 4: any call on a Llama after close() or its with block was a segfault (exit 139),
+    as with stock llama_cpp.Llama 0.3.36; now each raises RuntimeError saying the Llama is closed."""
+    rc, out, err = _child(tmp_path, """
+        llm = bindings.Llama(m, n_ctx=256, verbose=False)
+        llm("Hi", max_tokens=2, temperature=0)
+        llm.close()
+        calls = {"call": lambda: llm("Hi", max_tokens=2), "tokenize": lambda: llm.tokenize(b"Hi"),
+                 "detokenize": lambda: llm.detokenize([1, 2]), "n_ctx": llm.n_ctx, "eval": lambda: llm.eval([1]),
+                 "chat": lambda: llm.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=2),
+                 "save_state": llm.save_state, "embed": lambda: llm.embed("Hi"),
+                 "moe_cache_stats": llm.moe_cache_stats, "set_moe_cache_slots": lambda: llm.set_moe_cache_slots(1),
+                 "moe_stream_stats": llm.moe_stream_stats}
+        with bindings.Llama(m, n_ctx=256, verbose=False) as llm2:
+            pass
+        calls["after with"] = lambda: llm2("Hi", max_tokens=2)
+        for name, call in calls.items():
+            try:
+                call()
+                print(name, "returned")
+            except RuntimeError as e:
+                print(name, e)
+        print("closed", llm.closed, llm2.closed)
+        llm.close()  # a second close is harmless
+    """)
+    assert rc == 0, (rc, err[-3000:])
+    lines = out.splitlines()
+    assert lines[-1] == "closed True True"
+    assert lines[:-1] == [f"{name} {bindings.CLOSED}" for name in
+                          ("call", "tokenize", "detokenize", "n_ctx", "eval", "chat", "save_state", "embed",
+                           "moe_cache_stats", "set_moe_cache_slots", "moe_stream_stats", "after with")], out
+
+
 def test_a_tier_that_does_not_engage_carries_the_engines_reason(model_q8):
     """verbose=False: the message used to say "the engine's log says why", with no log to read."""
     with pytest.raises(ValueError) as e:
@@ -128,7 +187,7 @@ def _dense_with_expert_count(tmp_path: Path) -> Path:
     saved = writer.ARCHES["qwen3"]
     writer.ARCHES["qwen3"] = writer.ArchDef("qwen3", dense.plan, kvs, moe=False)
     try:
-        return models.make_model(tmp_path / "dense-e.gguf", arch="qwen3", n_layer=2)
+        return models.make_model(tmp_path / "dense-e.gguf", arch="qwen3", n_layer=2, n_embd=64, n_ff_exp=64, n_head=2, n_head_kv=1, head_dim=32)  # 16 MiB
     finally:
         writer.ARCHES["qwen3"] = saved
 

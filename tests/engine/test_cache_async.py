@@ -161,9 +161,13 @@ def test_the_upload_budget_bounds_uploads_per_step(model_q8, rpc, tmp_path):
     assert s_free.uploads > s.uploads
 
 
+#: Experts of 3.19 MiB (3 x 256 x 4096 Q8_0 rows), over the 2 MiB budgets below; a narrow embedding keeps the
+#: file at 95 MiB (n_embd 1024 made it 216 MiB for the same experts, the fast subset's largest model).
+BIG_EXPERTS = models.ModelSpec(arch="qwen3moe", n_layer=2, n_expert=8, n_expert_used=2, n_embd=256, n_ff_exp=4096)
+
+
 def test_an_upload_budget_under_one_expert_is_refused(rpc, tmp_path):
-    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", n_layer=2, n_expert=8, n_expert_used=2,
-                                                      n_embd=1024, n_ff_exp=1024))
+    model = models.cached_model_path(BIG_EXPERTS)
     with pytest.raises(engine.EngineError) as e:
         _run(model, rpc, tmp_path, 1, [*engine.cache_args(4), "--moe-expert-cache-upload-mb", "2"], "under")
     assert "upload budget 2 MiB refused: it must be 0 (unlimited) or at least one expert (3.19 MiB)" in str(e.value)
@@ -172,8 +176,7 @@ def test_an_upload_budget_under_one_expert_is_refused(rpc, tmp_path):
 
 def test_the_bindings_refuse_an_upload_budget_under_one_expert(rpc):
     from pybmoe.engine import bindings
-    model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", n_layer=2, n_expert=8, n_expert_used=2,
-                                                      n_embd=1024, n_ff_exp=1024))
+    model = models.cached_model_path(BIG_EXPERTS)
     with pytest.raises(ValueError, match="moe_expert_cache_upload_mb=2 is under one expert"):
         bindings.Llama(model, rpc_servers=rpc.endpoint, n_gpu_layers=99, cpu_moe=True, repack=False, verbose=False,
                        moe_expert_cache=4, moe_expert_cache_upload_mb=2)

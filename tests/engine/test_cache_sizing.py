@@ -219,7 +219,7 @@ def test_a_dense_model_with_an_expert_count_is_inert_with_one_warn_line(rpc, tmp
         w.add_expert_used_count(2)
 
     monkeypatch.setitem(writer.ARCHES, "qwen3", writer.ArchDef("qwen3", dense.plan, kvs, moe=False))
-    m = models.make_model(tmp_path / "dense-e.gguf", arch="qwen3", n_layer=2)
+    m = models.make_model(tmp_path / "dense-e.gguf", arch="qwen3", n_layer=2, n_embd=64, n_ff_exp=64, n_head=2, n_head_kv=1, head_dim=32)  # the narrowest: 16 MiB
     assert models.read_spec(m).n_expert == 8
     r, on, _ = _logits(m, rpc.endpoint, tmp_path, ["--fit", "off", "--moe-expert-cache", "8"])
     assert r.returncode == 0, on[-2000:]

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pybmoe import engine, models
+from pybmoe.models import shapes
 from pybmoe.engine import demo, memlimit
 
 
@@ -109,6 +110,17 @@ def test_a_cached_model_is_announced_only_when_it_is_written(monkeypatch, tmp_pa
     assert len(said) == 1 and written == [str(path)]
 
 
+def test_the_size_the_demo_says_is_the_files(tmp_path, monkeypatch):
+    """Issue 43, item 14: the demo said "about 53 MiB" before writing a model of 58.7 MiB (the estimate
+    left out the header, whose vocab is 5.7 MiB). Held against the session's default model file."""
+    spec = models.ModelSpec()
+    real = models.default_model_path("Q8_0").stat().st_size
+    assert abs(shapes.estimate_file_bytes(spec) - real) < 0.1 * 2**20, (shapes.estimate_file_bytes(spec), real)
+    monkeypatch.setenv("PYBMOE_CACHE", str(tmp_path))
+    monkeypatch.setattr(models.writer, "write_model", lambda spec, path, **kw: path)
+    said: list[str] = []
+    demo.ensure_cached_model(spec, "the embedded tiny qwen3moe model", said.append)
+    assert said[0].startswith(f"writing the embedded tiny qwen3moe model (about {real / 2**20:.0f} MiB) to "), said
 def test_the_cache_part_says_each_server_run_before_it_starts(monkeypatch, tmp_path, events):
     """`--route-replay granite` was 74 s without a line before the cache results."""
     class Rpc:

@@ -66,6 +66,9 @@ def test_python_errors_name_the_range(model):
     llm = bindings.Llama(model, moe_stream_cache_mb=4, n_gpu_layers=0, n_ubatch=1, verbose=False)
     with pytest.raises(ValueError, match=r"accepted: 2 \.\. 16 MiB"):
         llm.set_moe_stream_budget_mb(1)
+    # issue 43, item 5: a negative budget named 0 .. 2147483647, not the tier's real range
+    with pytest.raises(ValueError, match=r"^budget_mb=-1 is invalid; accepted: 2 \.\. 16 MiB \(more, up to "):
+        llm.set_moe_stream_budget_mb(-1)
     with pytest.raises(ValueError, match="moe_stream_cache_mb"):
         bindings.Llama(model, moe_stream_cache_mb=-3, n_gpu_layers=0, verbose=False)
     with pytest.raises(ValueError, match="mechanical minimum"):
