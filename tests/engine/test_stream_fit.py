@@ -108,11 +108,16 @@ def sizes(model, tmp_path_factory):
     return out
 
 
-def test_a_default_context_shrinks_to_keep_the_cycle_and_stays_exact(model, facts, sizes, tmp_path, mem_root):
-    # room for the least context, the cycle + 10 % and half of what the full context needs beyond the least
+def half_room(facts, sizes, tmp_path, mem_root) -> tuple[Path, float, float]:
+    """A fake tree with room for the least context, the cycle + 10 % and half of what the full context
+    needs beyond the least: (its root, the MiB available, the cycle + 10 % in bytes)."""
     want = facts["cycle"] * (1 + MARGIN)
     avail_mib = (facts["dense"] + FLOOR + want) / MIB + sizes[4096] + (sizes[16384] - sizes[4096]) / 2 + 1
-    root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
+    return mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000), avail_mib, want
+
+
+def test_a_default_context_shrinks_to_keep_the_cycle_and_stays_exact(model, facts, sizes, tmp_path, mem_root):
+    root, avail_mib, want = half_room(facts, sizes, tmp_path, mem_root)
     r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "shrunk")
     line = fit_line(r.log)
     assert "the default context (16384 tokens)" in line and "-> shrunk to" in line, line
@@ -175,9 +180,7 @@ def test_a_default_context_that_cannot_fit_even_at_its_least_is_refused(model, f
 def test_a_fixed_budget_is_clamped_beside_a_default_context_that_keeps_the_cycle(model, facts, sizes, tmp_path, mem_root):
     # the fixed budget (12 MiB) does not fit beside the full context; the context shrinks to keep the cycle,
     # and the budget is clamped to what is left
-    want = facts["cycle"] * (1 + MARGIN)
-    avail_mib = (facts["dense"] + FLOOR + want) / MIB + sizes[4096] + (sizes[16384] - sizes[4096]) / 2 + 1
-    root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
+    root, avail_mib, want = half_room(facts, sizes, tmp_path, mem_root)
     r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "12"], "fixed")
     line = fit_line(r.log)
     assert "-> shrunk to" in line and "the fixed budget of 12 MiB does not fit beside the contexts: clamped" in line, line
