@@ -15,7 +15,8 @@ is not the model's own, ``--moe-route-replay``. It starts from a cold page cache
 - ``clients=N``: the same requests sent at once from N threads: ``decode_ts`` is the aggregate, all
   generated tokens over the wall time from the first send to the last answer; each answer is
   compared with its ``clients=1`` answer (:func:`pybmoe.bench.load.compare`: identical, or a
-  divergence at a near tie).
+  divergence at a near tie); with ``--moe-route-replay`` the answers are not compared (NaN): the trace
+  steps once for every token the server runs, so interleaved requests get other experts than alone.
 
 Every run records the context the server ran with (``n_ctx_slot``, ``n_slots``: the fit's line
 ``fit_line``), the budget it served with and the cache cycle (``budget_mb`` as set at load,
@@ -193,7 +194,10 @@ def run_server_point(model: str | os.PathLike, *, limit: memlimit.MemoryLimit | 
                     raise load.LoadError("; ".join(errors))
             wall = time.monotonic() - t1
             after = metrics(url)
-            verdicts = [load.compare(a, b)[0] for a, b in zip(ref, answers)] if n_clients > 1 else []
+            # route replay steps one trace for every request the server runs, so the same prompt gets other
+            # experts when the requests interleave: its answers are not comparable, only its timings are
+            comparable = n_clients > 1 and rp is None
+            verdicts = [load.compare(a, b)[0] for a, b in zip(ref, answers)] if comparable else []
             n_tok = sum(a.predicted_n for a in answers)
             budget = after.get("llamacpp:moe_stream_budget_bytes", math.nan) / 2**20
             rows.append(dict(base, clients=n_clients, status="ok", startup_s=startup_s, wall_s=wall, serving_budget_mb=budget,
@@ -201,9 +205,9 @@ def run_server_point(model: str | os.PathLike, *, limit: memlimit.MemoryLimit | 
                              decode_ts=float(np.median([a.decode_ts for a in answers])) if n_clients == 1 else n_tok / wall,
                              ttft_s=float(np.median([a.first_s for a in answers])),
                              hit_pct=_hit_pct(before, after),
-                             identical=sum(v == "identical" for v in verdicts),
-                             near_tie=sum(v == "near_tie" for v in verdicts),
-                             wrong=sum(v == "wrong" for v in verdicts)))
+                             identical=sum(v == "identical" for v in verdicts) if comparable else math.nan,
+                             near_tie=sum(v == "near_tie" for v in verdicts) if comparable else math.nan,
+                             wrong=sum(v == "wrong" for v in verdicts) if comparable else math.nan))
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

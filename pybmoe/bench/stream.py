@@ -534,9 +534,9 @@ def summarize_server(sruns: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame
                          serving_budget_mb=float(ok.serving_budget_mb.median()) if len(ok) else math.nan,
                          peak_mib=float(g.peak_mib.max()) if "peak_mib" in g else math.nan,
                          oom_kills=int(g.oom_kills.fillna(0).sum()),
-                         identical=int(ok.get("identical", pd.Series(dtype=int)).sum()),
-                         near_tie=int(ok.get("near_tie", pd.Series(dtype=int)).sum()),
-                         wrong=int(ok.get("wrong", pd.Series(dtype=int)).sum()),
+                         identical=ok.get("identical", pd.Series(dtype=float)).sum(min_count=1),
+                         near_tie=ok.get("near_tie", pd.Series(dtype=float)).sum(min_count=1),
+                         wrong=ok.get("wrong", pd.Series(dtype=float)).sum(min_count=1),
                          vs_bench_defaults=med / tg["defaults"] if "defaults" in tg else math.nan,
                          vs_mmap=med / tg["mmap"] if "mmap" in tg else math.nan))
     return pd.DataFrame(rows)
