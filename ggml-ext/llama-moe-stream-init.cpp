@@ -505,14 +505,12 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
             n_used, budget / mib, cycle / mib, entry * std::min(n_used, n_expert) / mib, min_bytes / mib, least_bytes / mib,
             (long long) st.wave_entries, st.reader.direct ? 1 : 0, st.reader.n_lanes, entry / mib, (long long) prefetch,
             !st.overlap ? "0" : st.overlap_auto ? "auto" : "1");
-    if (is_auto) {
-        st.warn_cycle(INT64_MAX); // the cliff guard (the BigMoeOnEdge seed): the fact, at load
-    } else {
+    if (!is_auto) {
         // a budget that does not fit beside the contexts is clamped when they are known (the fit, or each
         // context as it is created: clamp_fixed), before any step reads an expert
         st.fixed_bytes = budget;
-        st.warn_cycle(INT64_MAX);
     }
+    st.warn_cycle(INT64_MAX); // the cliff guard (the BigMoeOnEdge seed): the fact, at load
     return (int32_t) st.layers.size();
 }
 

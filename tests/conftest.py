@@ -72,6 +72,9 @@ def pytest_configure(config):
 # takes seconds joins this table; tests/test_readme.py checks that every name here exists.
 SLOW: dict[str, str | set[str]] = {
     "tests/bench/test_bench.py": {  # the two module fixtures' sweeps: 8 s each, paid by the first test using one
+        "test_default_against_sync_in_one_sweep",  # 14 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
+        "test_max_batch_puts_prefill_through_the_cache",  # 13 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
+        "test_floor_marks_overflow",  # 12 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
         "test_server_sweep_rows_and_cache",  # 7 s
         "test_server_sweep_summary_per_spec",
         "test_sweep_writes_tidy_csv",  # 8 s
@@ -109,6 +112,8 @@ SLOW: dict[str, str | set[str]] = {
         "test_every_variant_speculates_through_the_cache",  # 11 s
     },
     "tests/engine/test_bindings_life.py": {
+        "test_the_stats_carry_the_summary_lines_fields",  # 12 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
+        "test_the_rpc_servers_memory_comes_back_after_del",  # 11 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
         "test_a_lost_rpc_server_never_hangs",  # 15 cases, 2-4 s each
         "test_llama_server_shows_the_inert_line_at_its_default_verbosity",  # 3 s
         "test_verbose_false_prints_nothing",  # 3 s
@@ -217,9 +222,17 @@ SLOW: dict[str, str | set[str]] = {
         "test_each_big_docs_command_writes_its_model_as_written",  # GiB-sized models and the 4 GiB probe: 5-60 s each
     },
     "tests/test_readme.py": {
+        "test_the_readme_demo_sample_is_what_the_demo_prints",  # 13 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
+        "test_the_readme_demo_sample_has_the_disk_tier_part",  # 10 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
         "test_the_test_commands_show_progress_by_file_and_have_a_fast_subset",  # 8 s
         "test_the_loopback_flow_runs_as_pasted",  # 10 s
         "test_pybmoe_demo_prints_the_readme_samples_lines",  # 40 s
+    },
+    "tests/engine/test_serve.py": {
+        "test_demo_reports_identical_output",  # 14 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
+    },
+    "tests/engine/test_bindings.py": {
+        "test_a_llama_offloads_to_its_own_rpc_server_only",  # 12 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
     },
 }
 
