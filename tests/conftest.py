@@ -108,6 +108,8 @@ SLOW: dict[str, str | set[str]] = {
         "test_series_applies_and_export_is_a_noop",  # 6 s
     },
     "tests/engine/test_arch_identity.py": {
+        "test_draft_mtp_speculation_shares_the_cache",  # 7 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
+        "test_the_device_chain_adds_its_biases_on_the_device",  # 6 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
         "test_every_variant_is_bit_identical",  # 123 s
         "test_every_variant_speculates_through_the_cache",  # 11 s
     },
@@ -171,6 +173,7 @@ SLOW: dict[str, str | set[str]] = {
         "test_page_frames_change_no_hit_and_no_logit",  # 13 s a case beside other work, 2026-12-06
     },
     "tests/engine/test_stream_identity.py": {
+        "test_reads_go_behind_compute_by_default_when_the_threads_leave_a_cpu",  # 7 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
         "test_a_split_gguf_is_streamed_in_place",  # 14 s each
         "test_streamed_logits_equal_all_resident",  # 24 s
         "test_the_dense_policies_change_no_logit",  # 4 s
@@ -229,10 +232,14 @@ SLOW: dict[str, str | set[str]] = {
         "test_pybmoe_demo_prints_the_readme_samples_lines",  # 40 s
     },
     "tests/engine/test_serve.py": {
+        "test_serve_answers_openai_chat_with_the_cache",  # 5 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
         "test_demo_reports_identical_output",  # 14 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
     },
     "tests/engine/test_bindings.py": {
         "test_a_llama_offloads_to_its_own_rpc_server_only",  # 12 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
+    },
+    "tests/engine/test_cache_startup.py": {
+        "test_a_failed_start_frees_the_slots_it_allocated",  # 6 s (a cold fast-subset run on 2 idle cores, 2026-12-06)
     },
 }
 
