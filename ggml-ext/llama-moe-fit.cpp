@@ -101,7 +101,9 @@ llama_moe_fit_plan llama_moe_fit_make_plan(const llama_moe_fit_input & in, const
                                    measured((uint32_t) n_least, seq_least);
         if (b_least >= 0) {
             p.least_budget = llama_moe_fit_budget(in, b_least);
-            const int64_t keep = p.least_budget / 100 * in.keep_pct / in.entry_bytes * in.entry_bytes;
+            // a fixed budget is the user's: a default context yields all of it before the budget is clamped
+            const int64_t pct  = in.is_auto ? in.keep_pct : 100;
+            const int64_t keep = p.least_budget / 100 * pct / in.entry_bytes * in.entry_bytes;
             target = std::max(target, std::min(keep, in.cap_bytes));
             p.target_bytes = target;
         }
@@ -207,7 +209,7 @@ std::string llama_moe_fit_describe(const llama_moe_fit_input & in, const llama_m
     const int64_t cycle_target = std::max(in.cycle_bytes + in.cycle_bytes * in.margin_pct / 100, in.least_bytes);
     const std::string target = p.least_budget > 0 && p.target_bytes > cycle_target ?
             llama_moe_fit_fmt("%.1f MiB, %d %% of the %.1f MiB the least context leaves (above the cache cycle of "
-                    "%.1f MiB + %d %%)", p.target_bytes / mib, in.keep_pct, p.least_budget / mib, in.cycle_bytes / mib,
+                    "%.1f MiB + %d %%)", p.target_bytes / mib, in.is_auto ? in.keep_pct : 100, p.least_budget / mib, in.cycle_bytes / mib,
                     in.margin_pct) :
             p.target_bytes > in.cycle_bytes + in.cycle_bytes * in.margin_pct / 100 ?
             llama_moe_fit_fmt("the tier's minimum of %.1f MiB (above the cache cycle of %.1f MiB + %d %%)",

@@ -82,7 +82,7 @@ def created_ctx(log: str) -> tuple[int, float | None]:
 
 def target_mib(line: str) -> tuple[float, float | None]:
     """(the target, the least context's budget or None) a default context's fit line names, MiB."""
-    m = re.search(r"under ([\d.]+) MiB, 90 % of the ([\d.]+) MiB the least context leaves", line)
+    m = re.search(r"under ([\d.]+) MiB, (?:90|100) % of the ([\d.]+) MiB the least context leaves", line)
     if m:
         return float(m.group(1)), float(m.group(2))
     return float(re.search(r"cache cycle of [\d.]+ MiB \+ 10 % = ([\d.]+) MiB", line).group(1)), None
