@@ -177,7 +177,8 @@ llama_moe_reader::~llama_moe_reader() {
 #endif
 }
 
-bool llama_moe_reader::open(const std::vector<std::string> & paths_in, int32_t n_lanes_in, bool want_direct, std::string & err) {
+bool llama_moe_reader::open(const std::vector<std::string> & paths_in, int32_t n_lanes_in, bool want_direct, bool refuse_direct,
+                            std::string & err) {
 #if defined(_WIN32)
     err = "the stream tier reads with pread, which this build does not have (Windows)";
     return false;
@@ -185,7 +186,6 @@ bool llama_moe_reader::open(const std::vector<std::string> & paths_in, int32_t n
     paths   = paths_in;
     n_lanes = std::max(1, n_lanes_in);
     direct  = want_direct;
-    const char * no_direct = getenv("PYBMOE_MOE_STREAM_NO_ODIRECT");
     for (const auto & p : paths) {
         const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
         if (fd < 0) {
@@ -195,7 +195,7 @@ bool llama_moe_reader::open(const std::vector<std::string> & paths_in, int32_t n
         fd_buffered.push_back(fd);
         int fdd = -1;
         if (direct) {
-            if (no_direct && atoi(no_direct) != 0) {
+            if (refuse_direct) {
                 errno = EINVAL; // injected: as a file system without O_DIRECT answers
             } else {
                 fdd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);

@@ -133,13 +133,13 @@ struct llama_moe_read {
 // out: GGUF tensor offsets are only 32-byte aligned. At open a
 // direct read of one block of each file is compared with a buffered read; a file system that
 // refuses O_DIRECT, or returns other bytes through it, gets buffered reads (fallback_reason says
-// why). PYBMOE_MOE_STREAM_NO_ODIRECT=1 in the environment makes the open refuse O_DIRECT (the
-// fallback's test: this kernel accepts O_DIRECT even on tmpfs).
+// why). refuse_direct (PYBMOE_MOE_STREAM_NO_ODIRECT=1, llama-moe-switches.h) makes the open refuse
+// O_DIRECT (the fallback's test: this kernel accepts O_DIRECT even on tmpfs).
 struct llama_moe_reader {
     ~llama_moe_reader();
 
     // opens every file; false (and err set, naming the file) when one cannot be opened for reading
-    bool open(const std::vector<std::string> & paths, int32_t n_lanes, bool want_direct, std::string & err);
+    bool open(const std::vector<std::string> & paths, int32_t n_lanes, bool want_direct, bool refuse_direct, std::string & err);
 
     // reads every range, the lanes in parallel; false (and err set, naming the file and the offset)
     // on a failed or short read (a file truncated or changed on disk)

@@ -17,6 +17,8 @@ target_sources(llama PRIVATE
     ${PYBMOE_EXT_DIR}/llama-moe-stream.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-stream-budget.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-stream-init.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-stream-sizing.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-switches.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-dense.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-graph.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-trace.cpp

@@ -65,8 +65,9 @@ def run_setting(name: str, model: Path, factor: float, routing: str, trace: Path
 def run_inputs(name: str, model: Path, trace: Path, out: Path, a) -> list[dict]:
     size = model.stat().st_size / MIB
     limit3 = int(size / 3)
-    cases = [("-np 8", limit3, ["-np", "8"], server.DEFAULTS),
-             ("-c 65536", limit3, ["-c", "65536"], server.DEFAULTS),
+    cases = [(f"-np 8 ({f:g}x)", int(size / f), ["-np", "8"], server.DEFAULTS)
+             for f in [float(v) for v in a.input_factors.split(",")]]
+    cases += [("-c 65536", limit3, ["-c", "65536"], server.DEFAULTS),
              (f"--moe-stream-cache-mb {3 * limit3}", limit3, [], ("--moe-stream-cache-mb", str(3 * limit3))),
              ("limit under the dense weights", int(dense_mib(model) * 0.8), [], server.DEFAULTS)]
     rows = []
@@ -74,13 +75,35 @@ def run_inputs(name: str, model: Path, trace: Path, out: Path, a) -> list[dict]:
         with memlimit.MemoryLimit(limit) as lim:
             r = server.run_server_point(model, limit=lim, cold=True, clients=(1,), n_prompt=a.n_prompt,
                                         n_gen=8, route_replay=trace, extra=extra, tier=tier,
-                                        log_path=out / f"{name}-inputs" / f"{label.replace(' ', '_')}.log")[0]
-        log = (out / f"{name}-inputs" / f"{label.replace(' ', '_')}.log").read_text(errors="replace")
+                                        log_path=out / f"{name}-inputs" / f"{slug(label)}.log")[0]
+        log = (out / f"{name}-inputs" / f"{slug(label)}.log").read_text(errors="replace")
         errs = [ln for ln in log.splitlines() if " E " in ln or "error" in ln.lower()]
         rows.append(dict(model=name, input=label, limit_mib=limit, status=r["status"], oom_kills=r.get("oom_kills", 0),
                          answered=r["status"] == "ok", n_ctx_slot=r.get("n_ctx_slot"), n_slots=r.get("n_slots"),
                          fit_line=r.get("fit_line", ""), first_error=errs[0][:400] if errs else ""))
         print(f"{name} {label}: {r['status']}", file=sys.stderr, flush=True)
+    return rows
+
+
+def slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in label)
+
+
+def run_answers(name: str, model: Path, out: Path, a) -> list[dict]:
+    """The answers check on the model's own router (no route replay, so four interleaved requests get the
+    experts the same request gets alone): llama-server at the tier's defaults under the 3x limit, and stock
+    llama-server (no tier, no limit) beside it, each 1 client then 4 at once; ``pybmoe load``'s verdicts."""
+    rows = []
+    limit3 = int(model.stat().st_size / MIB / 3)
+    with memlimit.MemoryLimit(limit3) as lim:
+        for r in server.run_server_point(model, limit=lim, cold=True, n_prompt=a.n_prompt, n_gen=a.n_gen,
+                                         log_path=out / f"{name}-answers" / "tier-3x.log"):
+            rows.append(dict(r, model=name, run="tier, 3x limit"))
+    for r in server.run_server_point(model, limit=None, cold=True, n_prompt=a.n_prompt, n_gen=a.n_gen, tier=(),
+                                     extra=["--no-repack"], log_path=out / f"{name}-answers" / "stock.log"):
+        rows.append(dict(r, model=name, run="stock, no limit"))
+    print(f"{name} answers: " + ", ".join(f"{r['run']} x{r.get('clients')}: {r.get('identical')}/{r.get('near_tie')}/"
+                                          f"{r.get('wrong')}" for r in rows), file=sys.stderr, flush=True)
     return rows
 
 
@@ -116,13 +139,23 @@ def main() -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=32)
     ap.add_argument("--n-gen-mmap", type=int, default=8)
     ap.add_argument("--inputs", action="store_true", help="also the new user's inputs (module doc)")
+    ap.add_argument("--input-factors", default="2,3,5", help="the limit factors of the inputs' -np 8 case")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows of an earlier run's OUT/server-sweep.csv (and inputs, answers) and add these")
+    ap.add_argument("--answers", action="store_true",
+                    help="also the answers check on each model's own router (run_answers)")
     a = ap.parse_args()
+    a.factor_list = [float(f) for f in a.factors.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
-    rows, inputs = [], []
+    rows, inputs, answers = [], [], []
+    if a.append:
+        for lst, f in ((rows, "server-sweep.csv"), (inputs, "server-inputs.csv"), (answers, "server-answers.csv")):
+            if (a.out / f).exists():
+                lst += pd.read_csv(a.out / f).to_dict("records")
     for spec in a.models:
         name, path = spec.split("=", 1)
         model = Path(path)
-        for factor in [float(f) for f in a.factors.split(",")]:
+        for factor in a.factor_list:
             for routing in a.routings.split(","):
                 trace = a.traces / f"{routing}-{name}.csv"
                 rows.append(run_setting(name, model, factor, routing, trace, a.out, a))
@@ -131,7 +164,12 @@ def main() -> int:
         if a.inputs:
             inputs += run_inputs(name, model, a.traces / f"uniform-{name}.csv", a.out, a)
             pd.DataFrame(inputs).to_csv(a.out / "server-inputs.csv", index=False)
+        if a.answers:
+            answers += run_answers(name, model, a.out, a)
+            pd.DataFrame(answers).to_csv(a.out / "server-answers.csv", index=False)
     df = pd.DataFrame(rows)
+    if df.empty:
+        return 0
     plot(df, a.out / "server-sweep.png")
     print(df.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     if inputs:
