@@ -37,7 +37,7 @@ ggml_tensor * llama_moe_stream_ids(const llama_moe_cache * mc, ggml_context * ct
         return selected;
     }
     // note: the op keeps a pointer to its layer's data; the owner outlives every graph
-    return const_cast<llama_moe_stream &>(mc->stream).graph_ids(mc, ctx, selected, il);
+    return const_cast<llama_moe_stream &>(mc->stream).graph_ids(ctx, selected, il);
 }
 
 const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d) {

@@ -201,7 +201,7 @@ static void llama_moe_cache_step(llama_moe_cache * mc, ggml_backend_sched_t sche
         vram.n_syncs++;
     }
     vram.publish();  // both copies of the tables change together
-    vram.schedule(&mc->stream); // into free slots, which no table entry points at; copied while the next graph runs
+    vram.schedule(); // into free slots, which no table entry points at; copied while the next graph runs
 }
 
 //

@@ -53,4 +53,13 @@ struct llama_moe_cache : llama_moe_base {
     bool active() const {
         return vram.enabled() || stream.on() || trace.on() || replay.on();
     }
+
+    // the tiers meet here only (llama-moe-links.h): the stream tier sees the VRAM tier's residents, the
+    // VRAM tier's uploads read the stream tier's RAM copies
+    llama_moe_cache() {
+        stream.devices = &vram;
+        vram.ram       = &stream;
+    }
+    llama_moe_cache(const llama_moe_cache &) = delete;
+    llama_moe_cache & operator=(const llama_moe_cache &) = delete;
 };

@@ -20,35 +20,16 @@
 #include <fstream>
 #include <map>
 
-int32_t llama_moe_replay::open(const llama_model & model, const char * path, int32_t n_ubatch) {
-    const auto & hp = model.hparams;
-    const int32_t n_layer  = (int32_t) model.layers.size();
-    const int32_t n_expert = (int32_t) hp.n_expert;
-    const int32_t n_used   = (int32_t) hp.n_expert_used();
-    std::vector<bool> is_moe(n_layer, false);
-    int n_moe = 0;
-    for (int il = 0; il < n_layer; ++il) {
-        is_moe[il] = llama_moe_is_moe_layer(model.layers[il]);
-        n_moe += is_moe[il];
-    }
-    if (n_moe == 0) {
-        LLAMA_LOG_ERROR("%s: moe-route-replay: the model has no MoE layers to replay %s into\n", "llama_model_moe_route_replay_open", path);
-        return -1;
-    }
-    errno = 0;
-    std::ifstream in(path, std::ios::binary);
-    if (!in) {
-        LLAMA_LOG_ERROR("%s: moe-route-replay: cannot read %s: %s\n", "llama_model_moe_route_replay_open", path,
-                        errno ? std::strerror(errno) : "cannot open the file");
-        return -1;
-    }
+// reads a trace's rows (what --moe-trace writes) into ids ([n_tok][n_layer][n_used], -1 = not in the trace);
+// the error with its line, or empty
+static std::string llama_moe_replay_parse(std::istream & in, int32_t n_layer, int32_t n_used, int32_t n_expert,
+                                          const std::vector<bool> & is_moe, std::vector<int32_t> & ids, int64_t & n_tok) {
     // rows: workload,phase,ubatch,token,layer,rank,expert,hit[,ram_hit] (what --moe-trace writes); a token is
     // a (workload, token) pair, in the order of first appearance. Every field is checked: a row that is
     // not exactly that (another column order, a stray field, text after a number, a number out of range,
     // a last line cut off) refuses the file with its line, rather than replaying a misread routing.
     static const std::string columns = "workload,phase,ubatch,token,layer,rank,expert,hit";
     std::map<std::pair<std::string, long long>, int64_t> tok_of;
-    std::vector<int32_t> ids; // [n_tok][n_layer][n_used], -1 = not in the trace
     const int64_t row = (int64_t) n_layer * n_used;
     std::string line;
     std::vector<std::string> fld;
@@ -151,13 +132,43 @@ int32_t llama_moe_replay::open(const llama_model & model, const char * path, int
     if (err.empty() && tok_of.empty()) {
         err = "no trace rows";
     }
+    n_tok = (int64_t) tok_of.size();
+    return err;
+}
+
+int32_t llama_moe_replay::open(const llama_model & model, const char * path, int32_t n_ubatch) {
+    const auto & hp = model.hparams;
+    const int32_t n_layer  = (int32_t) model.layers.size();
+    const int32_t n_expert = (int32_t) hp.n_expert;
+    const int32_t n_used   = (int32_t) hp.n_expert_used();
+    std::vector<bool> is_moe(n_layer, false);
+    int n_moe = 0;
+    for (int il = 0; il < n_layer; ++il) {
+        is_moe[il] = llama_moe_is_moe_layer(model.layers[il]);
+        n_moe += is_moe[il];
+    }
+    if (n_moe == 0) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: the model has no MoE layers to replay %s into\n", "llama_model_moe_route_replay_open", path);
+        return -1;
+    }
+    errno = 0;
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+        LLAMA_LOG_ERROR("%s: moe-route-replay: cannot read %s: %s\n", "llama_model_moe_route_replay_open", path,
+                        errno ? std::strerror(errno) : "cannot open the file");
+        return -1;
+    }
+    std::vector<int32_t> ids; // [n_tok][n_layer][n_used], -1 = not in the trace
+    int64_t n_rows_tok = 0;
+    std::string err = llama_moe_replay_parse(in, n_layer, n_used, n_expert, is_moe, ids, n_rows_tok);
+    const int64_t row = (int64_t) n_layer * n_used;
     if (!err.empty()) {
         LLAMA_LOG_ERROR("%s: moe-route-replay: %s: %s\n", "llama_model_moe_route_replay_open", path, err.c_str());
         return -1;
     }
     for (int il = 0; il < n_layer && err.empty(); ++il) {
         bool any = false;
-        for (int64_t t = 0; is_moe[il] && !any && t < (int64_t) tok_of.size(); ++t) {
+        for (int64_t t = 0; is_moe[il] && !any && t < n_rows_tok; ++t) {
             any = ids[t * row + (int64_t) il * n_used] >= 0;
         }
         if (is_moe[il] && !any) {
@@ -170,7 +181,7 @@ int32_t llama_moe_replay::open(const llama_model & model, const char * path, int
     }
     // a (token, layer) the trace lacks (a layer that computed only the outputs) repeats the layer's
     // previous token, or experts 0..k-1 at the start: those rows are not computed when the batching matches
-    const int64_t n_tok = (int64_t) tok_of.size();
+    const int64_t n_tok = n_rows_tok;
     int64_t n_filled = 0;
     for (int64_t t = 0; t < n_tok; ++t) {
         for (int il = 0; il < n_layer; ++il) {

@@ -65,7 +65,7 @@ static void llama_moe_stream_op(ggml_tensor * dst, const ggml_tensor * a, int it
         return;
     }
     auto * op = (llama_moe_stream_layer::op_data *) userdata;
-    op->tier->step(*op->owner, op->li, a, dst->op_params[LLAMA_MOE_STREAM_SERVED_PARAM] != 0);
+    op->tier->step(op->li, a, dst->op_params[LLAMA_MOE_STREAM_SERVED_PARAM] != 0);
     // the ids pass through unchanged: the MUL_MAT_IDs that read them now run after the reads
     for (int64_t r = 0; r < a->ne[1]; ++r) {
         for (int64_t k = 0; k < a->ne[0]; ++k) {
@@ -75,12 +75,12 @@ static void llama_moe_stream_op(ggml_tensor * dst, const ggml_tensor * a, int it
     }
 }
 
-ggml_tensor * llama_moe_stream::graph_ids(const llama_moe_cache * owner, ggml_context * ctx, ggml_tensor * selected, int il) {
+ggml_tensor * llama_moe_stream::graph_ids(ggml_context * ctx, ggml_tensor * selected, int il) {
     if (index_of(il) < 0) {
         return selected;
     }
     auto & l = layers[index_of(il)];
-    l.op = { owner, this, l.li };
+    l.op = { this, l.li };
     ggml_tensor * out = ggml_map_custom1(ctx, selected, llama_moe_stream_op, 1, &l.op);
     ggml_format_name(out, "blk.%d.ffn_moe_stream", il);
     // not served by the VRAM tier until llama_moe_cache_graph_layer says so: a stock step (a prefill, a
@@ -209,30 +209,89 @@ void llama_moe_stream::finish_waves() {
     inflight.unhold();
 }
 
-void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggml_tensor * ids, bool vram_served) {
-    auto & l = layers[li];
+void llama_moe_stream::lookups(int32_t li, const ggml_tensor * ids, bool vram_served, std::vector<int32_t> & want,
+                               std::vector<int64_t> & where) const {
     const int64_t n_used = ids->ne[0];
     const int64_t n_rows = ids->ne[1];
-
     // the VRAM tier's published table: experts resident on the device are computed there, when the
     // VRAM tier serves this step (in a stock step the host computes them too)
-    const llama_moe_cache_layer * vl = vram_served && owner.vram.enabled() ? owner.vram.layer(l.il) : nullptr;
-    const int32_t * vtable = vl ? (const int32_t *) vl->host_table->data : nullptr;
-
-    std::vector<int32_t> want;   // lookups of this tier, in router order
-    std::vector<int64_t> where;  // their index among all ids
+    const llama_moe_device_slots dev = vram_served && devices != nullptr ? devices->device_slots(layers[li].il)
+                                                                         : llama_moe_device_slots();
     want.reserve(n_used * n_rows);
     where.reserve(n_used * n_rows);
     for (int64_t r = 0; r < n_rows; ++r) {
         for (int64_t k = 0; k < n_used; ++k) {
             const int32_t e = *(const int32_t *) ((const char *) ids->data + r*ids->nb[1] + k*ids->nb[0]);
-            if (vtable && vtable[e] < vl->n_phys) {
+            if (dev.slot != nullptr && dev.slot[e] < dev.n_phys) {
                 continue;
             }
             want.push_back(e);
             where.push_back(r*n_used + k);
         }
     }
+}
+
+void llama_moe_stream::take_prefetched(int32_t li, const std::vector<int32_t> & admitted, std::vector<int32_t> & experts,
+                                       size_t & nbytes) {
+    const auto & l = layers[li];
+    const bool from_prefetch = prefetch_li == li;
+    std::vector<uint8_t> is_admitted(from_prefetch ? lru.n_expert : 0, 0);
+    for (int32_t a : admitted) {
+        const int32_t e = a % lru.n_expert;
+        if (from_prefetch) {
+            is_admitted[e] = 1;
+        }
+        if (from_prefetch && prefetched[e]) {
+            prefetch_used += l.entry_bytes();
+            nbytes        += l.entry_bytes(); // a miss's bytes, read ahead of the step
+            continue;
+        }
+        experts.push_back(e);
+    }
+    if (from_prefetch) {
+        std::vector<int32_t> unused;
+        for (int32_t e = 0; e < lru.n_expert; ++e) {
+            if (prefetched[e] && !is_admitted[e]) {
+                unused.push_back(li * lru.n_expert + e);
+            }
+        }
+        release(unused);
+        prefetch_li = -1;
+    }
+    std::sort(experts.begin(), experts.end());
+}
+
+std::vector<llama_moe_read> llama_moe_stream::prefetch_next(int32_t li) {
+    std::vector<llama_moe_read> ahead;
+    const int32_t nl = li + 1;
+    prefetched.assign(lru.n_expert, 0);
+    std::vector<int32_t> next;
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        for (int32_t e = 0; e < lru.n_expert && (int64_t) next.size() < prefetch_entries; ++e) {
+            if (!lru.resident[(size_t) nl * lru.n_expert + e]) {
+                next.push_back(e);
+                prefetched[e] = 1;
+            }
+        }
+    }
+    if (!next.empty()) {
+        size_t pb = 0;
+        ahead = read_jobs(layers[nl], next, pb, /*track =*/ false);
+        prefetch_li = nl;
+        prefetch_bytes += pb;
+    }
+    return ahead;
+}
+
+void llama_moe_stream::step(int32_t li, const ggml_tensor * ids, bool vram_served) {
+    auto & l = layers[li];
+    const int64_t n_used = ids->ne[0];
+    const int64_t n_rows = ids->ne[1];
+
+    std::vector<int32_t> want;   // lookups of this tier, in router order
+    std::vector<int64_t> where;  // their index among all ids
+    lookups(li, ids, vram_served, want, where);
 
     // io wait: the time this step waits for reads (a prefetch's, then its own)
     using clock = std::chrono::steady_clock;
@@ -262,33 +321,9 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
 
     // the admitted experts whose bytes a prefetch brought are there already; the prefetched ones the step
     // did not admit give their pages back
-    const bool from_prefetch = prefetch_li == li;
     std::vector<int32_t> experts;
-    std::vector<uint8_t> is_admitted(from_prefetch ? lru.n_expert : 0, 0);
     size_t nbytes = 0;
-    for (int32_t a : admitted) {
-        const int32_t e = a % lru.n_expert;
-        if (from_prefetch) {
-            is_admitted[e] = 1;
-        }
-        if (from_prefetch && prefetched[e]) {
-            prefetch_used += l.entry_bytes();
-            nbytes        += l.entry_bytes(); // a miss's bytes, read ahead of the step
-            continue;
-        }
-        experts.push_back(e);
-    }
-    if (from_prefetch) {
-        std::vector<int32_t> unused;
-        for (int32_t e = 0; e < lru.n_expert; ++e) {
-            if (prefetched[e] && !is_admitted[e]) {
-                unused.push_back(li * lru.n_expert + e);
-            }
-        }
-        release(unused);
-        prefetch_li = -1;
-    }
-    std::sort(experts.begin(), experts.end());
+    take_prefetched(li, admitted, experts, nbytes);
     // with the overlap, each of the step's ranges is marked in flight until its lane has read it, and
     // the layer's MUL_MAT_IDs wait for each expert's bytes there (llama-moe-inflight.h). Decode steps only:
     // a prefill step's compute takes every core the lanes need (2 cores, 2 threads: prefill 11-13 % slower
@@ -320,24 +355,7 @@ void llama_moe_stream::step(const llama_moe_cache & owner, int32_t li, const ggm
     // false): read the next layer's non-resident experts while this one computes
     std::vector<llama_moe_read> ahead;
     if (prefetch_entries > 0 && li + 1 < (int32_t) layers.size() && lru.wants_half() && wave.empty()) {
-        const int32_t nl = li + 1;
-        prefetched.assign(lru.n_expert, 0);
-        std::vector<int32_t> next;
-        {
-            std::lock_guard<std::mutex> lock(mutex);
-            for (int32_t e = 0; e < lru.n_expert && (int64_t) next.size() < prefetch_entries; ++e) {
-                if (!lru.resident[(size_t) nl * lru.n_expert + e]) {
-                    next.push_back(e);
-                    prefetched[e] = 1;
-                }
-            }
-        }
-        if (!next.empty()) {
-            size_t pb = 0;
-            ahead = read_jobs(layers[nl], next, pb, /*track =*/ false);
-            prefetch_li = nl;
-            prefetch_bytes += pb;
-        }
+        ahead = prefetch_next(li);
     }
     if (!wave.empty()) {
         // the admitted misses and the first window of each projection's wave in one batch; a blocking step

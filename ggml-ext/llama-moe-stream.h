@@ -10,15 +10,16 @@
 // graph op that admits a layer step's experts (llama_moe_lru) and reads the misses; the budget,
 // its sizing (auto, floor, ceiling, the mechanical minimum), the cliff guard, stats and resize.
 // Must not hold: the policy's rules (llama-moe-residency.h), file I/O mechanics
-// (llama-moe-source.h) or the VRAM tier (llama-moe-vram.h; with both on, the experts resident on a
-// device are computed there and not streamed).
+// (llama-moe-source.h) or the VRAM tier: with both on, the experts resident on a device are computed
+// there and not streamed, which this tier learns through `devices` (llama-moe-links.h), and the VRAM
+// tier's uploads read this tier's RAM copies through the llama_moe_ram_copies it implements.
 
 #include "llama-moe-frames.h"
 #include "llama-moe-inflight.h"
+#include "llama-moe-links.h"
 #include "llama-moe-overlap.h"
 #include "llama-moe-residency.h"
 #include "llama-moe-source.h"
-#include "llama-moe-vram.h"
 #include "llama-moe-waves.h"
 
 #include <algorithm>
@@ -33,7 +34,6 @@
 struct ggml_context;
 struct ggml_tensor;
 struct llama_model;
-struct llama_moe_cache;
 struct llama_moe_stream_stats;
 
 struct llama_moe_stream;
@@ -59,9 +59,8 @@ struct llama_moe_stream_layer {
     // the graph op's user data (whether the VRAM tier serves the step is the node's own flag:
     // llama_moe_stream_mark_vram_served)
     struct op_data {
-        const llama_moe_cache * owner;
-        llama_moe_stream *      tier;
-        int32_t                 li;
+        llama_moe_stream * tier;
+        int32_t            li;
     } op;
 
     size_t entry_bytes() const {
@@ -69,8 +68,11 @@ struct llama_moe_stream_layer {
     }
 };
 
-struct llama_moe_stream {
+struct llama_moe_stream : llama_moe_ram_copies {
     std::vector<llama_moe_stream_layer> layers;
+
+    // the VRAM tier's residents (wired by the owner; nullptr: none), for the steps it serves
+    const llama_moe_device_residents * devices = nullptr;
     std::vector<int32_t> layer_of_il; // model layer -> index into layers, -1 when not streamed
 
     // model layer il's index into layers, or -1 when il is not streamed (or out of range)
@@ -208,10 +210,10 @@ struct llama_moe_stream {
     std::vector<int32_t>    pins; // [n_layer * n_expert] uploads reading the entry (under `mutex`)
     std::condition_variable pin_cv;
 
-    // when expert e of model layer il is resident here: pins it, sets mem[p] to its bytes per
-    // projection and returns its entry; else -1 (read it from the file)
-    int32_t pin(int32_t il, int32_t e, const void * mem[LLAMA_MOE_N_PROJ]);
-    void    unpin(int32_t entry);
+    // llama_moe_ram_copies (llama-moe-links.h)
+    bool    streams(int32_t il) const override { return on() && index_of(il) >= 0; }
+    int32_t pin(int32_t il, int32_t e, const void * mem[LLAMA_MOE_N_PROJ]) override;
+    void    unpin(int32_t entry) override;
     // waits (the lock holds `mutex`) until no upload reads any of `entries`
     void    wait_unpinned(std::unique_lock<std::mutex> & lock, const std::vector<int32_t> & entries);
 
@@ -221,11 +223,21 @@ struct llama_moe_stream {
 
     // the ids layer il's MUL_MAT_IDs use: `selected` through the op that makes its experts resident,
     // or `selected` itself when the layer is not streamed
-    ggml_tensor * graph_ids(const llama_moe_cache * owner, ggml_context * ctx, ggml_tensor * selected, int il);
+    ggml_tensor * graph_ids(ggml_context * ctx, ggml_tensor * selected, int il);
 
     // the op's work for one layer step (ids: I32 [n_used, n_rows], any strides); `vram_served`: the
-    // VRAM tier serves this step (its graph has the cache chain), so its residents are not looked up
-    void step(const llama_moe_cache & owner, int32_t li, const ggml_tensor * ids, bool vram_served);
+    // VRAM tier serves this step (its graph has the cache chain), so its residents (`devices`) are not
+    // looked up
+    void step(int32_t li, const ggml_tensor * ids, bool vram_served);
+
+    // step's parts: this tier's lookups of the step (the experts in router order, and their index among
+    // all ids); the admitted experts whose bytes a prefetch brought are counted, the others left in
+    // `experts` (sorted), and the prefetched ones not admitted give their pages back; the reads of the
+    // next layer's non-resident experts, at most prefetch_entries of them (a prefill step)
+    void lookups(int32_t li, const ggml_tensor * ids, bool vram_served, std::vector<int32_t> & want,
+                 std::vector<int64_t> & where) const;
+    void take_prefetched(int32_t li, const std::vector<int32_t> & admitted, std::vector<int32_t> & experts, size_t & nbytes);
+    std::vector<llama_moe_read> prefetch_next(int32_t li);
 
     // the page frames the resident entries' interior pages live in, one pool per projection
     // (llama-moe-frames.h); off: every entry's pages are the reservation's own, faulted in at a miss
@@ -301,7 +313,7 @@ struct llama_moe_stream {
     // gives the reservations back (the tensors must not be read after)
     void unmap();
 
-    ~llama_moe_stream() {
+    ~llama_moe_stream() override {
         unmap();
     }
 };

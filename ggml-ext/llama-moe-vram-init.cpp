@@ -351,6 +351,111 @@ static void llama_moe_vram_alloc_host(llama_moe_cache & mc) {
     vram.publish(); // every layer is dirty since add_layer
 }
 
+using llama_moe_vram_by_buft = std::map<ggml_backend_buffer_type_t, std::vector<int>>;
+
+// slots per device: fixed, or (auto) the most that fit the device's free memory minus the floor, capped by
+// the ceiling; chosen once, here, and never resized during generation. A device auto leaves at 0 slots is
+// dropped from by_buft. false: a fixed size does not fit a device (its line is logged)
+static bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_cache & mc, llama_moe_vram_by_buft & by_buft,
+                                        std::map<ggml_backend_buffer_type_t, int32_t> & slots_of, int32_t n_slots,
+                                        int32_t n_expert, bool is_auto, bool estimate, int32_t floor_mib, int32_t ceil_mib,
+                                        const std::function<int32_t(int32_t)> & stage_for) {
+    // (a --fit probe sizes fixed slots only: auto takes what is left after fitting, so it reserves nothing there)
+    for (auto it = by_buft.begin(); it != by_buft.end(); ) {
+        const auto & [buft, ils] = *it;
+        int32_t s = n_slots;
+        if (estimate && is_auto) {
+            it = by_buft.erase(it);
+            continue;
+        }
+        double per_slot = 0.0; // MiB of one slot in every layer on this device
+        double fixed    = 0.0; // MiB of the bias copies of every layer on this device
+        llama_moe_vram_layer_mib(model, ils, per_slot, fixed);
+        auto fits = [&](int32_t c, double budget) { return (c + stage_for(c) + 1) * per_slot + fixed <= budget; };
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(dev, &free, &total);
+        const double reserve_mib = mc.reserve.count(dev) ? mc.reserve.at(dev) / 1024.0 / 1024.0 : 0.0;
+        double budget = free / 1024.0 / 1024.0 - reserve_mib - floor_mib;
+        if (!is_auto && !estimate && !fits(s, budget)) {
+            // a fixed size the device cannot hold is an error at load, not an allocation failure later
+            int32_t most = 0;
+            for (int32_t c = s - 1; c > 0; --c) {
+                if (fits(c, budget)) {
+                    most = c;
+                    break;
+                }
+            }
+            LLAMA_LOG_ERROR("%s: moe-cache: %d slots/layer need %.1f MiB on %s (%zu layers x (%d slots + %d staging + 1 zero) "
+                    "x %.3f MiB%s), but it has %.0f MiB free%s and --moe-expert-cache-floor-mb keeps %d MiB free; %s\n",
+                    __func__, s, (s + stage_for(s) + 1) * per_slot + fixed, ggml_backend_buft_name(buft), ils.size(), s,
+                    stage_for(s), per_slot / ils.size(),
+                    fixed > 0 ? format(" + %.2f MiB of expert biases", fixed).c_str() : "", free / 1024.0 / 1024.0,
+                    reserve_mib > 0 ? format(" (%.0f MiB set aside for contexts)", reserve_mib).c_str() : "", floor_mib,
+                    most > 0 ? format("at most %d slots/layer fit (or use auto)", most).c_str()
+                             : "the device is too small for even one slot per layer");
+            return false;
+        }
+        if (is_auto) {
+            if (ceil_mib > 0) {
+                budget = std::min(budget, (double) ceil_mib);
+            }
+            s = 0;
+            for (int32_t c = n_expert; c > 0; --c) {
+                if (fits(c, budget)) {
+                    s = c;
+                    break;
+                }
+            }
+            LLAMA_LOG("%s: moe-cache: auto on %s: %.0f MiB free - %.0f MiB reserved for contexts - %d MiB floor%s -> "
+                    "%d slots/layer for %zu layers (%.2f MiB per slot of every layer)\n", __func__,
+                    ggml_backend_buft_name(buft), free / 1024.0 / 1024.0, reserve_mib, floor_mib,
+                    ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", s, ils.size(), per_slot);
+            if (s == 0) {
+                LLAMA_LOG_WARN("%s: moe-cache: WARNING auto resolved to 0 slots on %s: %.1f MiB left after the floor "
+                        "(and ceiling) cannot hold one slot per layer plus staging and the zero slot (%.1f MiB); "
+                        "its %zu layers are not cached\n", __func__, ggml_backend_buft_name(buft), budget,
+                        (2 + stage_for(1)) * per_slot, ils.size());
+                it = by_buft.erase(it);
+                continue;
+            }
+        }
+        slots_of[buft] = s;
+        ++it;
+    }
+    return true;
+}
+
+// the tier's start line, its metrics preamble (one line, key=value, parsed by pybmoe.engine.parse_cache_preamble)
+// and the cliff guard's WARN
+static void llama_moe_vram_log_start(const llama_moe_vram & vram, const llama_moe_cache & owner, int n_moe, int32_t n_expert,
+                                     int32_t n_used, int32_t n_slots, int32_t n_slots_min, int32_t n_inserts,
+                                     const std::string & budgets) {
+    const char * fn = "llama_moe_vram_init";
+    const auto & l0 = vram.layers[0];
+    const int32_t n_stage = vram.res.layers[l0.ir].n_stage;
+    LLAMA_LOG("%s: moe-cache: %zu of %d MoE layers cached, %d slots/layer (+%d staging, +1 zero) of %d experts, "
+            "top-k %d, expert %.3f MiB, inserts/step %s\n", fn, vram.layers.size(), n_moe, n_slots, n_stage,
+            n_expert, n_used, l0.expert_bytes()/1024.0/1024.0, n_inserts > 0 ? std::to_string(n_inserts).c_str() : "unlimited");
+
+    // the metrics preamble: one line, key=value, parsed by pybmoe.engine.parse_cache_preamble
+    // cache_cycle_mb: the worst-case bytes one token needs, every cached layer's experts x min(top-k, n_expert)
+    double cycle_mib = 0.0;
+    for (const auto & l : vram.layers) {
+        cycle_mib += (double) l.expert_bytes() * std::min(l.n_used, l.n_expert) / 1024.0 / 1024.0;
+    }
+    // slots, staging and the zero slot per layer, separately: staging and zero never hold residents
+    LLAMA_LOG("moe-cache-preamble: layers=%zu n_expert=%d top_k=%d slots=%d staging=%d zero=1 inserts=%d max_batch=%d "
+            "slot_mib=%.4f budget_mib=%s cache_cycle_mb=%.2f layer_cycle_slots=%d\n", vram.layers.size(), n_expert, n_used,
+            n_slots, n_stage, n_inserts, owner.max_batch, l0.expert_bytes()/1024.0/1024.0, budgets.c_str(), cycle_mib, n_used);
+    if (n_slots_min < n_used) {
+        // the cliff guard: state the fact, once, at load
+        LLAMA_LOG_WARN("%s: moe-cache: WARNING %d slots/layer is below the per-layer token cycle of %d slots at "
+                "top-k %d: one token's experts cannot all stay resident until the next token\n",
+                fn, n_slots_min, n_used, n_used);
+    }
+}
+
 int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inserts, int32_t floor_mib, int32_t ceil_mib) {
     const bool is_auto = n_slots == LLAMA_MOE_CACHE_AUTO;
     if (model == nullptr) {
@@ -427,71 +532,11 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
         return llama_moe_stage_slots(n_expert, n_used, slots, n_inserts, mc->max_batch);
     };
 
-    // slots per device: fixed, or (auto) the most that fit the device's free memory minus the floor,
-    // capped by the ceiling; chosen once, here, and never resized during generation
-    // (a --fit probe sizes fixed slots only: auto takes what is left after fitting, so it reserves nothing there)
+    // slots per device (a --fit probe sizes fixed slots only: auto takes what is left after fitting)
     std::map<ggml_backend_buffer_type_t, int32_t> slots_of;
-    for (auto it = by_buft.begin(); it != by_buft.end(); ) {
-        const auto & [buft, ils] = *it;
-        int32_t s = n_slots;
-        if (estimate && is_auto) {
-            it = by_buft.erase(it);
-            continue;
-        }
-        double per_slot = 0.0; // MiB of one slot in every layer on this device
-        double fixed    = 0.0; // MiB of the bias copies of every layer on this device
-        llama_moe_vram_layer_mib(*model, ils, per_slot, fixed);
-        auto fits = [&](int32_t c, double budget) { return (c + stage_for(c) + 1) * per_slot + fixed <= budget; };
-        ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
-        size_t free = 0, total = 0;
-        ggml_backend_dev_memory(dev, &free, &total);
-        const double reserve_mib = mc->reserve.count(dev) ? mc->reserve.at(dev) / 1024.0 / 1024.0 : 0.0;
-        double budget = free / 1024.0 / 1024.0 - reserve_mib - floor_mib;
-        if (!is_auto && !estimate && !fits(s, budget)) {
-            // a fixed size the device cannot hold is an error at load, not an allocation failure later
-            int32_t most = 0;
-            for (int32_t c = s - 1; c > 0; --c) {
-                if (fits(c, budget)) {
-                    most = c;
-                    break;
-                }
-            }
-            LLAMA_LOG_ERROR("%s: moe-cache: %d slots/layer need %.1f MiB on %s (%zu layers x (%d slots + %d staging + 1 zero) "
-                    "x %.3f MiB%s), but it has %.0f MiB free%s and --moe-expert-cache-floor-mb keeps %d MiB free; %s\n",
-                    __func__, s, (s + stage_for(s) + 1) * per_slot + fixed, ggml_backend_buft_name(buft), ils.size(), s,
-                    stage_for(s), per_slot / ils.size(),
-                    fixed > 0 ? format(" + %.2f MiB of expert biases", fixed).c_str() : "", free / 1024.0 / 1024.0,
-                    reserve_mib > 0 ? format(" (%.0f MiB set aside for contexts)", reserve_mib).c_str() : "", floor_mib,
-                    most > 0 ? format("at most %d slots/layer fit (or use auto)", most).c_str()
-                             : "the device is too small for even one slot per layer");
-            return LLAMA_MOE_CACHE_ERR_NO_ROOM;
-        }
-        if (is_auto) {
-            if (ceil_mib > 0) {
-                budget = std::min(budget, (double) ceil_mib);
-            }
-            s = 0;
-            for (int32_t c = n_expert; c > 0; --c) {
-                if (fits(c, budget)) {
-                    s = c;
-                    break;
-                }
-            }
-            LLAMA_LOG("%s: moe-cache: auto on %s: %.0f MiB free - %.0f MiB reserved for contexts - %d MiB floor%s -> "
-                    "%d slots/layer for %zu layers (%.2f MiB per slot of every layer)\n", __func__,
-                    ggml_backend_buft_name(buft), free / 1024.0 / 1024.0, reserve_mib, floor_mib,
-                    ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", s, ils.size(), per_slot);
-            if (s == 0) {
-                LLAMA_LOG_WARN("%s: moe-cache: WARNING auto resolved to 0 slots on %s: %.1f MiB left after the floor "
-                        "(and ceiling) cannot hold one slot per layer plus staging and the zero slot (%.1f MiB); "
-                        "its %zu layers are not cached\n", __func__, ggml_backend_buft_name(buft), budget,
-                        (2 + stage_for(1)) * per_slot, ils.size());
-                it = by_buft.erase(it);
-                continue;
-            }
-        }
-        slots_of[buft] = s;
-        ++it;
+    if (!llama_moe_vram_size_devices(*model, *mc, by_buft, slots_of, n_slots, n_expert, is_auto, estimate, floor_mib, ceil_mib,
+                                     stage_for)) {
+        return LLAMA_MOE_CACHE_ERR_NO_ROOM;
     }
     if (by_buft.empty()) {
         if (estimate) {
@@ -531,9 +576,13 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     llama_moe_vram_alloc_host(*mc);
 
     std::string err;
-    // uploads of experts the stream tier holds in RAM read its copy, pinned until they are done
-    llama_moe_cache * owner = mc;
-    vram.uploader.on_done = [owner](int32_t entry) { owner->stream.unpin(entry); };
+    // uploads of experts held in RAM (the stream tier's copies) read that copy, pinned until they are done
+    llama_moe_ram_copies * ram = vram.ram;
+    vram.uploader.on_done = [ram](int32_t entry) {
+        if (ram != nullptr) {
+            ram->unpin(entry);
+        }
+    };
     if (!vram.uploader.start(mc->sources.paths, err)) {
         const uint64_t freed = vram.alloc_bytes;
         vram.disable(); // and `held` frees every device buffer on return
@@ -551,28 +600,7 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     }
     vram.routed_checked = false;
 
-    const auto & l0 = vram.layers[0];
-    const int32_t n_stage = vram.res.layers[l0.ir].n_stage;
-    LLAMA_LOG("%s: moe-cache: %zu of %d MoE layers cached, %d slots/layer (+%d staging, +1 zero) of %d experts, "
-            "top-k %d, expert %.3f MiB, inserts/step %s\n", __func__, vram.layers.size(), n_moe, n_slots, n_stage,
-            n_expert, n_used, l0.expert_bytes()/1024.0/1024.0, n_inserts > 0 ? std::to_string(n_inserts).c_str() : "unlimited");
-
-    // the metrics preamble: one line, key=value, parsed by pybmoe.engine.parse_cache_preamble
-    // cache_cycle_mb: the worst-case bytes one token needs, every cached layer's experts x min(top-k, n_expert)
-    double cycle_mib = 0.0;
-    for (const auto & l : vram.layers) {
-        cycle_mib += (double) l.expert_bytes() * std::min(l.n_used, l.n_expert) / 1024.0 / 1024.0;
-    }
-    // slots, staging and the zero slot per layer, separately: staging and zero never hold residents
-    LLAMA_LOG("moe-cache-preamble: layers=%zu n_expert=%d top_k=%d slots=%d staging=%d zero=1 inserts=%d max_batch=%d "
-            "slot_mib=%.4f budget_mib=%s cache_cycle_mb=%.2f layer_cycle_slots=%d\n", vram.layers.size(), n_expert, n_used,
-            n_slots, n_stage, n_inserts, mc->max_batch, l0.expert_bytes()/1024.0/1024.0, budgets.c_str(), cycle_mib, n_used);
-    if (n_slots_min < n_used) {
-        // the cliff guard: state the fact, once, at load
-        LLAMA_LOG_WARN("%s: moe-cache: WARNING %d slots/layer is below the per-layer token cycle of %d slots at "
-                "top-k %d: one token's experts cannot all stay resident until the next token\n",
-                __func__, n_slots_min, n_used, n_used);
-    }
+    llama_moe_vram_log_start(vram, *mc, n_moe, n_expert, n_used, n_slots, n_slots_min, n_inserts, budgets);
     return (int32_t) vram.layers.size();
 }
 

@@ -33,6 +33,16 @@ const llama_moe_cache_layer * llama_moe_vram::layer(int il) const {
     return &layers[layer_of_il[il]];
 }
 
+llama_moe_device_slots llama_moe_vram::device_slots(int32_t il) const {
+    const llama_moe_cache_layer * l = enabled() ? layer(il) : nullptr;
+    llama_moe_device_slots out;
+    if (l != nullptr) {
+        out.slot   = (const int32_t *) l->host_table->data;
+        out.n_phys = l->n_phys;
+    }
+    return out;
+}
+
 void llama_moe_vram::disable() {
     uploader.stop();
     layers.clear();
@@ -163,7 +173,7 @@ void llama_moe_vram::graph_count(ggml_context * ctx, ggml_cgraph * gf, ggml_tens
     ggml_build_forward_expand(gf, out);
 }
 
-void llama_moe_vram::schedule(llama_moe_stream * stream) {
+void llama_moe_vram::schedule() {
     const size_t first = res.moving.size();
     res.schedule();
     if (prefill_seen) {
@@ -191,7 +201,7 @@ void llama_moe_vram::schedule(llama_moe_stream * stream) {
             j++;
         }
         const llama_moe_cache_layer & l = layers[res.moving[i].layer];
-        const bool streamed = stream && stream->on() && stream->index_of(l.il) >= 0;
+        const bool streamed = ram != nullptr && ram->streams(l.il);
         // where each move's bytes come from: the stream tier's RAM copy, the host tensor, or the file
         std::vector<std::array<const void *, LLAMA_MOE_N_PROJ>> mem(j - i);
         std::vector<int32_t> pin(j - i, -1);
@@ -199,11 +209,11 @@ void llama_moe_vram::schedule(llama_moe_stream * stream) {
             const llama_moe_move & mv = res.moving[m];
             auto & src = mem[m - i];
             src.fill(nullptr);
-            const void * ram[LLAMA_MOE_N_PROJ] = {};
-            const int32_t entry = streamed ? stream->pin(l.il, mv.expert, ram) : -1;
+            const void * copy[LLAMA_MOE_N_PROJ] = {};
+            const int32_t entry = streamed ? ram->pin(l.il, mv.expert, copy) : -1;
             for (int p = 0; p < l.n_proj; ++p) {
                 if (entry >= 0) {
-                    src[p] = ram[p];
+                    src[p] = copy[p];
                 } else if (!streamed && l.exps[p]->buffer && ggml_backend_buffer_is_host(l.exps[p]->buffer) && l.exps[p]->data) {
                     src[p] = (const uint8_t *) l.exps[p]->data + (size_t) mv.expert * l.expert_nbytes[p];
                 }

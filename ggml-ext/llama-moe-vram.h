@@ -10,6 +10,7 @@
 // (llama-moe-residency.h).
 
 #include "llama-moe-base.h"
+#include "llama-moe-links.h"
 #include "llama-moe-residency.h"
 #include "llama-moe-source.h"
 
@@ -23,7 +24,6 @@
 struct ggml_tensor;
 struct llama_layer;
 struct llama_moe_cache_stats;
-struct llama_moe_stream;
 
 
 // the per-expert biases of a cached layer (add_id with the original ids): up, gate or fused gate_up,
@@ -62,7 +62,7 @@ struct llama_moe_cache_layer {
     }
 };
 
-struct llama_moe_vram {
+struct llama_moe_vram : llama_moe_device_residents {
     int32_t n_slots = 0; // slots per layer chosen at load (the most over the devices)
 
     std::vector<llama_moe_cache_layer> layers;
@@ -137,6 +137,13 @@ struct llama_moe_vram {
     // the cached layer of model layer il, or nullptr
     const llama_moe_cache_layer * layer(int il) const;
 
+    // llama_moe_device_residents (llama-moe-links.h): layer il's host copy of its id -> slot table
+    llama_moe_device_slots device_slots(int32_t il) const override;
+
+    // the RAM copies of streamed experts (wired by the owner; nullptr: none): uploads read them, and
+    // unpin each when its copy is done
+    llama_moe_ram_copies * ram = nullptr;
+
     // turns the tier off after a failed start-up
     void disable();
 
@@ -152,10 +159,10 @@ struct llama_moe_vram {
     void publish();
 
     // this step's misses: uploads into free slots, copied while the next graph runs, from the best
-    // source: the stream tier's RAM copy (`stream`, when on and the expert is resident there), the
+    // source: a RAM copy (`ram`, when its layer is streamed and the expert is resident there), the
     // host tensor's memory when it holds the GGUF layout (mmap, a CPU or pinned host buffer), else
     // the file; runs of adjacent experts into adjacent slots are one copy
-    void schedule(llama_moe_stream * stream);
+    void schedule();
 
     void get_stats(llama_moe_cache_stats & out) const;
 
