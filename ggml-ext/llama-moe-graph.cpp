@@ -40,14 +40,14 @@ ggml_tensor * llama_moe_stream_ids(const llama_moe_cache * mc, ggml_context * ct
     return const_cast<llama_moe_stream &>(mc->stream).graph_ids(ctx, selected, il);
 }
 
-const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d) {
+const llama_moe_vram_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d) {
     if (mc == nullptr) {
         return nullptr;
     }
     if (mc->trace.on()) {
         mc->trace.build(mc->log, d.ctx, d.gf, d.il, d.selected);
     }
-    const llama_moe_cache_layer * l = mc->vram.enabled() ? mc->vram.layer(d.il) : nullptr;
+    const llama_moe_vram_layer * l = mc->vram.enabled() ? mc->vram.layer(d.il) : nullptr;
     if (l == nullptr) {
         return nullptr;
     }
@@ -82,7 +82,7 @@ bool llama_moe_is_view_op(ggml_op op) {
 }
 
 // the cached projection a host node multiplies by, or -1
-int llama_moe_proj_of(const llama_moe_cache_layer * l, const ggml_tensor * t) {
+int llama_moe_proj_of(const llama_moe_vram_layer * l, const ggml_tensor * t) {
     for (int p = 0; t->op == GGML_OP_MUL_MAT_ID && p < l->n_proj; ++p) {
         if (t->src[0] == l->exps[p]) {
             return p;
@@ -94,7 +94,7 @@ int llama_moe_proj_of(const llama_moe_cache_layer * l, const ggml_tensor * t) {
 // The nodes between the FFN input and `out` that depend on a cached MUL_MAT_ID: the host chain the
 // device chain clones. Walks back from `out`, stopping at the FFN input, the routing and leaves.
 struct llama_moe_chain {
-    const llama_moe_cache_layer * l;
+    const llama_moe_vram_layer * l;
     const ggml_tensor * stop[3];
     std::map<const ggml_tensor *, bool> dep; // visited node -> depends on a cached projection
     std::string why;                          // set when the chain cannot be cloned
@@ -140,7 +140,7 @@ struct llama_moe_chain {
 
 } // namespace
 
-ggml_tensor * llama_moe_cache_bias(const llama_moe_cache_layer * l, ggml_tensor * bias) {
+ggml_tensor * llama_moe_cache_bias(const llama_moe_vram_layer * l, ggml_tensor * bias) {
     for (int b = 0; l != nullptr && b < l->n_bias; ++b) {
         if (l->bias_host[b] == bias) {
             return l->bias_dev[b];
@@ -149,7 +149,7 @@ ggml_tensor * llama_moe_cache_bias(const llama_moe_cache_layer * l, ggml_tensor 
     return bias;
 }
 
-ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_cache_layer * l,
+ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_vram_layer * l,
                                           ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * out_h) {
     llama_moe_chain ch = { l, { inp, inp->src[0], selected }, {}, {} };
     int n_dep = 0;

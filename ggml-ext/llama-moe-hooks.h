@@ -39,7 +39,8 @@ struct llama_model_loader;
 struct llama_ubatch;
 
 struct llama_moe_cache;       // the model's owner of everything pybmoe adds (llama-moe-model.h)
-struct llama_moe_cache_layer; // one layer of the VRAM tier (llama-moe-vram.h)
+struct llama_moe_vram_layer;  // one layer of the VRAM tier (llama-moe-vram.h)
+using llama_moe_cache_layer = llama_moe_vram_layer; // its name before: patch 0003 (llama-graph.cpp) still says it
 
 //
 // load and teardown
@@ -100,7 +101,7 @@ ggml_tensor * llama_moe_stream_ids(const llama_moe_cache * mc, ggml_context * ct
 
 // the cache layer that serves this FFN, or nullptr (the stock graph is built; the reason is logged once);
 // also adds the trace node when tracing
-const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d);
+const llama_moe_vram_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d);
 
 // Splits one MoE layer between host and device. `out_h` is the host chain's output before the
 // routing weights (the down MUL_MAT_ID, with a down scale if the layer has one): every node between
@@ -112,12 +113,12 @@ const llama_moe_cache_layer * llama_moe_cache_graph_layer(const llama_moe_cache 
 //   inp      [n_embd, 1, n_tokens]     FFN input (where the walk back stops)
 //   selected I32 [n_expert_used, n_tokens]
 //   result   [n_embd, n_expert_used, n_tokens]
-ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_cache_layer * l,
+ggml_tensor * llama_moe_cache_build_split(ggml_context * ctx, ggml_cgraph * gf, const llama_moe_vram_layer * l,
                                           ggml_tensor * inp, ggml_tensor * selected, ggml_tensor * out_h);
 
 // the device copy of a cached layer's expert bias (up, gate, gate_up or down), or `bias` itself when
 // `l` is nullptr or has none: build_moe_ffn adds the down bias from it, once, after the split's sum
-ggml_tensor * llama_moe_cache_bias(const llama_moe_cache_layer * l, ggml_tensor * bias);
+ggml_tensor * llama_moe_cache_bias(const llama_moe_vram_layer * l, ggml_tensor * bias);
 
 //
 // the step around each ubatch's graph

@@ -179,7 +179,7 @@ static void llama_moe_cache_step(llama_moe_cache * mc, ggml_backend_sched_t sche
     if (mc->trace.on()) {
         const auto & stream = mc->stream;
         mc->trace.rows(*ubatch, [&vram](int il) -> const llama_moe_residency_layer * {
-            const llama_moe_cache_layer * l = vram.enabled() ? vram.layer(il) : nullptr;
+            const llama_moe_vram_layer * l = vram.enabled() ? vram.layer(il) : nullptr;
             return l && vram.res.layers[l->ir].served_now ? &vram.res.layers[l->ir] : nullptr;
         }, [&stream](int il) -> const std::vector<int8_t> * {
             const int li = stream.index_of(il);

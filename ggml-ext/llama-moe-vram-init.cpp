@@ -258,7 +258,7 @@ static bool llama_moe_vram_alloc(llama_model & model, llama_moe_cache & mc, ggml
     const int32_t itb = (int32_t) vram.tables.size();
     for (const int & il : ils) { // by reference: its index in ils places its table
         const auto & layer = model.layers[il];
-        llama_moe_cache_layer l;
+        llama_moe_vram_layer l;
         l.il = il; l.n_expert = n_expert; l.n_used = n_used; l.n_phys = dev_slots + n_stage; l.log = &mc.log;
         l.ir = vram.res.add_layer(n_expert, dev_slots, n_stage);
         const char * names[LLAMA_MOE_N_PROJ] = {};

@@ -26,7 +26,7 @@ int llama_moe_bias_list(const llama_layer & layer, const ggml_tensor * out[LLAMA
     return n;
 }
 
-const llama_moe_cache_layer * llama_moe_vram::layer(int il) const {
+const llama_moe_vram_layer * llama_moe_vram::layer(int il) const {
     if (il < 0 || il >= (int) layer_of_il.size() || layer_of_il[il] < 0) {
         return nullptr;
     }
@@ -34,7 +34,7 @@ const llama_moe_cache_layer * llama_moe_vram::layer(int il) const {
 }
 
 llama_moe_device_slots llama_moe_vram::device_slots(int32_t il) const {
-    const llama_moe_cache_layer * l = enabled() ? layer(il) : nullptr;
+    const llama_moe_vram_layer * l = enabled() ? layer(il) : nullptr;
     llama_moe_device_slots out;
     if (l != nullptr) {
         out.slot   = (const int32_t *) l->host_table->data;
@@ -200,7 +200,7 @@ void llama_moe_vram::schedule() {
         while (j < res.moving.size() && res.moving[j].layer == res.moving[i].layer) {
             j++;
         }
-        const llama_moe_cache_layer & l = layers[res.moving[i].layer];
+        const llama_moe_vram_layer & l = layers[res.moving[i].layer];
         const bool streamed = ram != nullptr && ram->streams(l.il);
         // where each move's bytes come from: the stream tier's RAM copy, the host tensor, or the file
         std::vector<std::array<const void *, LLAMA_MOE_N_PROJ>> mem(j - i);
@@ -349,7 +349,7 @@ bool llama_model_moe_cache_get_stats(const llama_model * model, llama_moe_cache_
 
 bool llama_model_moe_cache_get_layer_stats(const llama_model * model, int32_t il, uint64_t * hits, uint64_t * misses) {
     const llama_moe_cache * mc = llama_moe_vram_of(model);
-    const llama_moe_cache_layer * l = mc ? mc->vram.layer(il) : nullptr;
+    const llama_moe_vram_layer * l = mc ? mc->vram.layer(il) : nullptr;
     if (l == nullptr) {
         return false;
     }

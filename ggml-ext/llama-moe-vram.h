@@ -31,7 +31,7 @@ struct llama_moe_cache_stats;
 // the two chains are summed (llama_moe_cache_bias); a device copy of each keeps that work on the device
 int llama_moe_bias_list(const llama_layer & layer, const ggml_tensor * out[LLAMA_MOE_N_BIAS]);
 
-struct llama_moe_cache_layer {
+struct llama_moe_vram_layer {
     int32_t il       = -1; // model layer
     int32_t ir       = -1; // index into llama_moe_vram::res.layers
     int32_t n_expert = 0;
@@ -65,7 +65,7 @@ struct llama_moe_cache_layer {
 struct llama_moe_vram : llama_moe_device_residents {
     int32_t n_slots = 0; // slots per layer chosen at load (the most over the devices)
 
-    std::vector<llama_moe_cache_layer> layers;
+    std::vector<llama_moe_vram_layer> layers;
     std::vector<int32_t> layer_of_il; // model layer -> index into layers, -1 when not cached
 
     llama_moe_residency res;          // res.layers[l.ir] is the bookkeeping of layers[i]
@@ -135,7 +135,7 @@ struct llama_moe_vram : llama_moe_device_residents {
     }
 
     // the cached layer of model layer il, or nullptr
-    const llama_moe_cache_layer * layer(int il) const;
+    const llama_moe_vram_layer * layer(int il) const;
 
     // llama_moe_device_residents (llama-moe-links.h): layer il's host copy of its id -> slot table
     llama_moe_device_slots device_slots(int32_t il) const override;

@@ -26,7 +26,7 @@ MAX_FUNCTION_LINES = 150
 #: each tier's files (by prefix), and its names, which the other tier's files must never use
 TIERS = {
     "stream": ("llama-moe-stream", ("llama-moe-stream", "llama_moe_stream", ".stream", "->stream")),
-    "vram": ("llama-moe-vram", ("llama-moe-vram", "llama_moe_vram", "llama_moe_cache_layer", ".vram", "->vram")),
+    "vram": ("llama-moe-vram", ("llama-moe-vram", "llama_moe_vram", "llama_moe_vram_layer", "llama_moe_cache_layer", ".vram", "->vram")),
 }
 
 
