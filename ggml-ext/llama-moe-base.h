@@ -52,6 +52,6 @@ struct llama_moe_base {
 
     // a setting that must change between generations while a graph is being computed: one ERROR line,
     // "<fn>: <tier>: a graph is being computed; <what> between generations", and true (the C setters
-    // then return -2)
+    // then return LLAMA_MOE_ERR_BUSY)
     bool busy(const char * fn, const char * tier, const char * what) const;
 };

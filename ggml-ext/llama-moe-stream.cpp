@@ -536,7 +536,7 @@ int32_t llama_model_moe_stream_set_budget_mib(llama_model * model, int32_t budge
         return -1;
     }
     if (mc->busy(__func__, "moe-stream", "resize")) {
-        return -2;
+        return LLAMA_MOE_ERR_BUSY;
     }
     auto & st = mc->stream;
     const int64_t min_mib = (st.least_bytes() + (1 << 20) - 1) >> 20;

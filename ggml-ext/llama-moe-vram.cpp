@@ -385,7 +385,7 @@ int32_t llama_model_moe_cache_set_slots(llama_model * model, int32_t n_slots) {
         return -1;
     }
     if (mc->busy(__func__, "moe-cache", "resize")) {
-        return -2;
+        return LLAMA_MOE_ERR_BUSY;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
     auto & vram = mc->vram;
@@ -412,7 +412,7 @@ int32_t llama_model_moe_cache_set_warmup(llama_model * model, int32_t n_per_laye
         return -1;
     }
     if (mc->busy(__func__, "moe-cache", "change the warm-up")) {
-        return -2;
+        return LLAMA_MOE_ERR_BUSY;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
     auto & vram = mc->vram;
@@ -443,7 +443,7 @@ int32_t llama_model_moe_cache_set_upload_budget_mib(llama_model * model, int32_t
         return -1;
     }
     if (mc->busy(__func__, "moe-cache", "change the upload budget")) {
-        return -2;
+        return LLAMA_MOE_ERR_BUSY;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
     mc->vram.res.n_step_moves = (int32_t) std::min<int64_t>(n, INT32_MAX);
@@ -460,7 +460,7 @@ int32_t llama_model_moe_cache_set_admit_window(llama_model * model, int32_t wind
         return -1;
     }
     if (mc->busy(__func__, "moe-cache", "change the admission")) {
-        return -2;
+        return LLAMA_MOE_ERR_BUSY;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
     mc->vram.res.admit_window = window;
@@ -481,7 +481,7 @@ int32_t llama_model_moe_cache_set_sync(llama_model * model, bool sync) {
         return -1;
     }
     if (mc->busy(__func__, "moe-cache", "change the mode")) {
-        return -2;
+        return LLAMA_MOE_ERR_BUSY;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
     mc->vram.sync = sync;

@@ -54,6 +54,11 @@ struct llama_moe_cache_device_stats {
     uint64_t alloc_bytes;     // companion bytes allocated there
 };
 
+// the results every call that can fail shares (a call's own codes, such as LLAMA_MOE_CACHE_ERR_NO_ROOM, are
+// named beside it): 0 or a count on success
+#define LLAMA_MOE_ERR                      (-1)  // refused or failed; the log line before says why
+#define LLAMA_MOE_ERR_BUSY                 (-2)  // a setter called while a graph is computed: call it between generations
+
 #define LLAMA_MOE_CACHE_AUTO               (-1)  // n_slots: size each device from its free memory
 #define LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT  1024  // MiB the cache leaves free on each device
 #define LLAMA_MOE_CACHE_ERR_NO_ROOM        (-3)  // init: fixed slots do not fit a device (a load error)
