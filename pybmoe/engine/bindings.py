@@ -36,13 +36,36 @@ from typing import Sequence
 from .flags import parse_admit
 from .servers import wait_for_endpoint
 
-LLAMA_MOE_CACHE_AUTO = -1
-LLAMA_MOE_CACHE_ERR_NO_ROOM = -3  # llama-moe.h: fixed slots do not fit a device
-LLAMA_MOE_DENSE_AUTO = 3  # llama-moe.h
+# llama-moe.h's constants, each under its name there (tests/build/test_abi.py holds every LLAMA_MOE_* name
+# of the package to the header's value)
+LLAMA_MOE_CACHE_AUTO = -1                  # n_slots: size each device from its free memory
+LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT = 1024   # MiB the cache leaves free on each device
+LLAMA_MOE_CACHE_ERR_NO_ROOM = -3           # init: fixed slots do not fit a device (a load error)
+LLAMA_MOE_STREAM_AUTO = -1                 # budget_mib: size from available memory
+LLAMA_MOE_STREAM_FLOOR_AUTO = -1           # floor_mib: 1/16 of the memory limit, 64 .. 1536 MiB
+LLAMA_MOE_STREAM_IO_THREADS_DEFAULT = 4    # read lanes
+LLAMA_MOE_STREAM_ERR_BUDGET = -3           # init: a budget under the mechanical minimum (a load error)
+LLAMA_MOE_DENSE_MMAP = 0                   # the dense weights stay memory-mapped (stock)
+LLAMA_MOE_DENSE_WARM = 1                   # one sequential buffered read at load
+LLAMA_MOE_DENSE_ANON = 2                   # read into anonymous memory
+LLAMA_MOE_DENSE_AUTO = 3                   # anon or mmap, picked at load
+# What llama-moe.h states in its comments only, with no name there (tests/build/test_abi.py reads each
+# from the comments):
+#: a failed call: a bad value, the tier off, a start that failed ("-1 for a bad value or no cache")
+MOE_ERR_FAILED = -1
+#: a setter called while a graph is being computed, i.e. during a generation ("-2 while a graph is
+#: being computed")
+MOE_ERR_BUSY = -2
+#: The stream tier's read lanes the engine takes at the most ("io_threads read lanes (1 .. 64)").
+STREAM_IO_THREADS_MAX = 64
 #: ``dense_weights=`` values and their llama-moe.h modes (``--dense-weights``)
-DENSE_POLICIES = {"mmap": 0, "warm": 1, "anon": 2, "auto": LLAMA_MOE_DENSE_AUTO}
+DENSE_POLICIES = {"mmap": LLAMA_MOE_DENSE_MMAP, "warm": LLAMA_MOE_DENSE_WARM, "anon": LLAMA_MOE_DENSE_ANON,
+                  "auto": LLAMA_MOE_DENSE_AUTO}
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # upstream's LLM_FFN_EXPS_REGEX (--cpu-moe)
+# ggml-backend.h's enum ggml_backend_dev_type (tests/build/test_abi.py holds them to the built tree's header)
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+GGML_BACKEND_DEVICE_TYPE_IGPU = 2
 
 
 class MoeCacheStatsC(ctypes.Structure):
@@ -294,8 +317,6 @@ def buffer_type_by_name(name: str) -> int:
 
 #: endpoint -> the device handles its ggml-rpc-server added to the process's backend registry
 _rpc_devices: dict[str, list[int]] = {}
-GGML_BACKEND_DEVICE_TYPE_GPU = 1
-GGML_BACKEND_DEVICE_TYPE_IGPU = 2
 
 
 def _registry_api():
@@ -418,20 +439,18 @@ def _device_names(handles: Sequence[int] | None) -> list[str]:
 COUNT_MAX = 2**31 - 1
 
 
-def _check_count(name: str, v, allow_auto: bool = False, lo: int = 0, hi: int = COUNT_MAX, what: str = "") -> int:
-    """``v`` as the engine's count: an int in ``lo .. hi`` (or ``"auto"`` when ``allow_auto``, returned as
-    LLAMA_MOE_CACHE_AUTO). Raises ValueError naming ``name``, the value and the real range (``what``
-    follows the range, e.g. "MiB" or "(the slots allocated at load)")."""
-    if allow_auto and v == "auto":
-        return LLAMA_MOE_CACHE_AUTO
+def _check_count(name: str, v, auto: int | None = None, lo: int = 0, hi: int = COUNT_MAX, what: str = "") -> int:
+    """``v`` as the engine's count: an int in ``lo .. hi``, or ``"auto"`` where the engine takes it
+    (``auto``: the value that says auto there, e.g. LLAMA_MOE_CACHE_AUTO, returned for it). Raises
+    ValueError naming ``name``, the value and the real range (``what`` follows the range, e.g. "MiB"
+    or "(the slots allocated at load)")."""
+    if auto is not None and v == "auto":
+        return auto
     if isinstance(v, bool) or not isinstance(v, int) or v < lo or v > hi:
-        accepted = f"an integer in {lo} .. {hi}" + (f" {what}" if what else "") + (" or 'auto'" if allow_auto else "")
+        accepted = f"an integer in {lo} .. {hi}" + (f" {what}" if what else "") + (" or 'auto'" if auto is not None
+                                                                                    else "")
         raise ValueError(f"{name}={v!r} is invalid; accepted: {accepted}")
     return v
-
-
-#: The stream tier's read lanes the engine takes (llama-moe.h: 1 .. 64).
-STREAM_IO_THREADS_MAX = 64
 
 
 def _import_llama_cpp():
@@ -447,7 +466,8 @@ llama_cpp, _internals = _import_llama_cpp()
 #
 
 # ggml.h's enum ggml_log_level (llama_cpp 0.3.36's _logger maps an older enum: it shows WARN lines as
-# errors and hides ERROR lines as debug at verbose=False)
+# errors and hides ERROR lines as debug at verbose=False; tests/build/test_abi.py holds these to the
+# built tree's ggml.h)
 GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_DEBUG, GGML_LOG_LEVEL_INFO = 0, 1, 2
 GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 3, 4, 5
 #: the engine's recent lines, (sequence number, level, text): the reasons errors carry
@@ -680,12 +700,12 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str | os.PathLike, *, moe_expert_cache: int | str = 0,
                  moe_expert_cache_inserts: int = 0, moe_expert_cache_sync: bool = False,
                  moe_expert_cache_warmup: int = 0, moe_expert_cache_upload_mb: int = 0,
-                 moe_expert_cache_floor_mb: int = 1024, moe_expert_cache_ceil_mb: int = 0,
+                 moe_expert_cache_floor_mb: int = LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT, moe_expert_cache_ceil_mb: int = 0,
                  moe_expert_cache_admit: str = "always", cpu_moe: bool = False, n_cpu_moe: int = 0,
                  override_tensor: str | Sequence[tuple[str, str]] | None = None,
                  rpc_servers: str | None = None, repack: bool = True, moe_stream_cache_mb: int | str = 0,
                  moe_stream_floor_mb: int | str = "auto", moe_stream_ceil_mb: int = 0,
-                 moe_stream_io_threads: int = 4, dense_weights: str = "auto",
+                 moe_stream_io_threads: int = LLAMA_MOE_STREAM_IO_THREADS_DEFAULT, dense_weights: str = "auto",
                  moe_trace: str | os.PathLike | None = None, moe_route_replay: str | os.PathLike | None = None,
                  **kwargs):
         self._stack = contextlib.ExitStack()  # llama_cpp's __del__ needs it even when we raise first
@@ -693,7 +713,7 @@ class Llama(llama_cpp.Llama):
         if os.path.isdir(model_path):
             raise ValueError(f"model_path {os.fspath(model_path)} is a directory; accepted: a GGUF file (the first "
                              "file of a split GGUF)")
-        slots = _check_count("moe_expert_cache", moe_expert_cache, allow_auto=True)
+        slots = _check_count("moe_expert_cache", moe_expert_cache, auto=LLAMA_MOE_CACHE_AUTO)
         inserts = _check_count("moe_expert_cache_inserts", moe_expert_cache_inserts)
         warmup = _check_count("moe_expert_cache_warmup", moe_expert_cache_warmup)
         upload_mb = _check_count("moe_expert_cache_upload_mb", moe_expert_cache_upload_mb)
@@ -703,8 +723,8 @@ class Llama(llama_cpp.Llama):
         floor_mb = _check_count("moe_expert_cache_floor_mb", moe_expert_cache_floor_mb)
         ceil_mb = _check_count("moe_expert_cache_ceil_mb", moe_expert_cache_ceil_mb)
         n_cpu_moe = _check_count("n_cpu_moe", n_cpu_moe)
-        stream_mb = _check_count("moe_stream_cache_mb", moe_stream_cache_mb, allow_auto=True)
-        stream_floor = _check_count("moe_stream_floor_mb", moe_stream_floor_mb, allow_auto=True)
+        stream_mb = _check_count("moe_stream_cache_mb", moe_stream_cache_mb, auto=LLAMA_MOE_STREAM_AUTO)
+        stream_floor = _check_count("moe_stream_floor_mb", moe_stream_floor_mb, auto=LLAMA_MOE_STREAM_FLOOR_AUTO)
         if dense_weights not in DENSE_POLICIES:
             raise ValueError(f"dense_weights={dense_weights!r} is invalid; accepted: {', '.join(DENSE_POLICIES)}")
         dense_mode = DENSE_POLICIES[dense_weights]
@@ -794,7 +814,7 @@ class Llama(llama_cpp.Llama):
                     lib = _llama_lib()
                     rc = lib.llama_model_moe_stream_init(self.model, stream_mb, stream_floor, stream_ceil, io_threads,
                                                          n_ubatch)
-                    if rc == -3:
+                    if rc == LLAMA_MOE_STREAM_ERR_BUDGET:
                         self.close()
                         raise ValueError(_with_reason(f"moe_stream_cache_mb={moe_stream_cache_mb!r} is under the "
                                                       f"mechanical minimum at n_ubatch={n_ubatch}", mark))
@@ -805,7 +825,8 @@ class Llama(llama_cpp.Llama):
                     if rc == 0:
                         warnings.warn(f"moe_stream_cache_mb={moe_stream_cache_mb!r} is inert: the model has no MoE "
                                       "layers", RuntimeWarning, stacklevel=4)
-                apply_dense = stream_mb != 0 if dense_mode == LLAMA_MOE_DENSE_AUTO else dense_mode != 0
+                apply_dense = (stream_mb != 0 if dense_mode == LLAMA_MOE_DENSE_AUTO
+                               else dense_mode != LLAMA_MOE_DENSE_MMAP)
                 if apply_dense and _llama_lib().llama_model_moe_dense_weights(self.model, dense_mode) < 0:
                     self.close()
                     raise ValueError(_with_reason(f"dense_weights={dense_weights!r} could not be applied", mark))
@@ -913,7 +934,7 @@ class Llama(llama_cpp.Llama):
                              f"(more, up to {COUNT_MAX}, is clamped to every expert's bytes)")
         n = budget_mb
         rc = _llama_lib().llama_model_moe_stream_set_budget_mib(self._model.model, n)
-        if rc == -2:
+        if rc == MOE_ERR_BUSY:
             raise RuntimeError("set_moe_stream_budget_mb was called during a generation; call it between generations")
         if rc < 0:
             raise ValueError(f"budget_mb={budget_mb} was refused (see the log)")
@@ -933,7 +954,7 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"n_slots={n_slots} is out of range; accepted: 0 .. {cap} (the slots allocated at load)")
         n = _check_count("n_slots", n_slots, hi=cap, what="(the slots allocated at load)")
         rc = _llama_lib().llama_model_moe_cache_set_slots(self._model.model, n)
-        if rc == -2:
+        if rc == MOE_ERR_BUSY:
             raise RuntimeError("set_moe_cache_slots was called during a generation; call it between generations")
         if rc < 0:
             raise ValueError(f"n_slots={n_slots} was refused; accepted: 0 .. {cap} (the slots allocated at load)")
