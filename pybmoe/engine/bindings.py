@@ -516,7 +516,20 @@ def _log_callback(level: int, text: bytes, user_data) -> None:
         print(line, end="", flush=True, file=sys.stderr)
 
 
-llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+_log_lock = threading.Lock()
+_log_installed = False
+
+
+def _install_log() -> None:
+    """Makes :func:`_log_callback` the engine's log callback. llama.cpp has one for the process, so
+    this is done once, when the first :class:`Llama` is made (importing this module leaves
+    llama_cpp's own in place); from then on the lines of every model of the process, a stock
+    ``llama_cpp.Llama``'s too, are kept as reasons and shown as :func:`_log_shown` says."""
+    global _log_installed
+    with _log_lock:
+        if not _log_installed:
+            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            _log_installed = True
 
 
 def _log_mark() -> int:
@@ -709,6 +722,7 @@ class Llama(llama_cpp.Llama):
                  moe_trace: str | os.PathLike | None = None, moe_route_replay: str | os.PathLike | None = None,
                  **kwargs):
         self._stack = contextlib.ExitStack()  # llama_cpp's __del__ needs it even when we raise first
+        _install_log()
         _check_kwargs(set(inspect.signature(Llama.__init__).parameters) - {"self", "kwargs"}, kwargs)
         if os.path.isdir(model_path):
             raise ValueError(f"model_path {os.fspath(model_path)} is a directory; accepted: a GGUF file (the first "

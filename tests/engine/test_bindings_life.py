@@ -237,6 +237,35 @@ def test_verbose_false_prints_nothing(tmp_path):
     assert rc == 0 and out == "" and err == "", (rc, out, err)
 
 
+def test_the_log_callback_is_the_first_llamas_not_the_imports(tmp_path):
+    """Importing pybmoe.engine.bindings replaced llama_cpp's log callback for the whole process. The
+    import now leaves llama_cpp's in place (a stock llama_cpp.Llama made after it logs through
+    llama_cpp's, none of its lines reach pybmoe's); the first pybmoe.Llama installs pybmoe's."""
+    rc, out, err = _child(tmp_path, """
+        import ctypes
+        import llama_cpp
+        from llama_cpp import _logger
+
+        def installed():
+            cb, user_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+            llama_cpp.llama_log_get(ctypes.byref(cb), ctypes.byref(user_data))
+            return ctypes.cast(cb, ctypes.c_void_p).value
+
+        def address(cb):
+            return ctypes.cast(cb, ctypes.c_void_p).value
+
+        print("import", installed() == address(_logger.llama_log_callback), installed() == address(bindings._log_callback))
+        stock = llama_cpp.Llama(str(m), n_ctx=256, verbose=False)
+        print("stock", len(bindings._log_recent))
+        stock.close()
+        llm = bindings.Llama(m, n_ctx=256, verbose=False)
+        print("pybmoe", installed() == address(bindings._log_callback), len(bindings._log_recent) > 0)
+        llm.close()
+    """)
+    assert rc == 0, err[-3000:]
+    assert out.splitlines() == ["import True False", "stock 0", "pybmoe True True"], (out, err[-3000:])
+
+
 def test_a_wrong_rpc_endpoint_is_a_value_error_naming_it(tmp_path):
     """It used to abort the interpreter (exit 134) with an 86-line backtrace."""
     port = engine.free_port()
