@@ -3,8 +3,16 @@ tree's llama.h, and pybmoe's own against ggml-ext/llama-moe.h; and that the chec
 declaration broken on purpose (a wrong return type, a wrong parameter, a narrowed or missing
 field, a header that changed a signature).
 
-Needs the built tree (``vendor/src/.../include/llama.h``), the ``llama_cpp`` package and a C++
-compiler; each test says why it skips without them. One compile per check (about a second).
+The constants: every copy the package holds of a llama-moe.h constant (a ``LLAMA_MOE_*`` name, the
+header's own) is held to the value the header has now, read from it (``#define``s and enumerators,
+:func:`pybmoe.build.abi.header_constants`), so a constant the engine renames, renumbers or moves
+into an enum fails here; the results the header states only in words (a setter's -2 while a graph
+is being computed, the -1 of a failed call, the read lanes' range) are read from its comments. The
+copies of ggml's enumerators (``GGML_*``) are held to the pinned tree's ggml.h and ggml-backend.h.
+
+The signature and layout checks need the built tree (``vendor/src/.../include/llama.h``), the
+``llama_cpp`` package and a C++ compiler; each test says why it skips without them. One compile
+per check (about a second). The llama-moe.h constants need only the checkout and ``llama_cpp``.
 """
 from __future__ import annotations
 
