@@ -567,6 +567,10 @@ def _close_all() -> None:
             llm.close()
 
 
+#: llama_cpp.Llama's default ``n_ubatch`` (tokens), the largest ubatch the tiers are sized for when none is given
+N_UBATCH_DEFAULT = inspect.signature(llama_cpp.Llama.__init__).parameters["n_ubatch"].default
+
+
 def _llama_cpp_params() -> set[str]:
     return set(inspect.signature(llama_cpp.Llama.__init__).parameters) - {"self", "kwargs"}
 
@@ -651,7 +655,7 @@ class _LoadPlan:
     dense_mode: int = LLAMA_MOE_DENSE_AUTO
     trace_path: str | None = None
     replay_path: str | None = None
-    n_ubatch: int = 512
+    n_ubatch: int = N_UBATCH_DEFAULT
     repack: bool = True
     devices: object = None            # a NULL-terminated ggml_backend_dev_t array, or None: llama.cpp's default
     device_names: list = field(default_factory=list)
@@ -889,7 +893,7 @@ class Llama(llama_cpp.Llama):
             dense_mode=DENSE_POLICIES[dense_weights],
             trace_path=_check_path("moe_trace", moe_trace, must_exist=False),
             replay_path=_check_path("moe_route_replay", moe_route_replay, must_exist=True),
-            n_ubatch=int(kwargs.get("n_ubatch", 512)),
+            n_ubatch=int(kwargs.get("n_ubatch", N_UBATCH_DEFAULT)),
             repack=repack)
         n_cpu_moe = _check_count("n_cpu_moe", n_cpu_moe)
         endpoints = [ep.strip() for ep in rpc_servers.split(",") if ep.strip()] if rpc_servers else []
