@@ -224,8 +224,8 @@ def test_the_results_llama_moe_h_states_in_words_are_the_bindings():
     said = _comments(LLAMA_MOE_H)
     busy = re.findall(r"(-?\d+) while a graph is being computed", said)
     assert len(busy) >= 6 and set(map(int, busy)) == {bindings.MOE_ERR_BUSY}, busy
-    failed = re.findall(r"(?:Returns|returns)[^.;]*?(-\d+) (?:for a bad value|when the (?:cache|tier) is off|\(logged\))",
-                        said)
+    failed = re.findall(r"(?:Returns|returns)[^.;]*?(-\d+) "
+                        r"(?:for a bad value|when the (?:cache|tier) is off|\(logged\))", said)
     assert len(failed) >= 6 and set(map(int, failed)) == {bindings.MOE_ERR_FAILED}, failed
     lanes = re.findall(r"io_threads read lanes \(1 \.\. (\d+)\)", said)
     assert lanes == [str(bindings.STREAM_IO_THREADS_MAX)], lanes
@@ -276,8 +276,8 @@ def test_a_copy_the_header_changed_or_dropped_is_reported(tmp_path):
     enum, the cache's auto gone. The check names both copies, and nothing else."""
     _llama_cpp()
     text = LLAMA_MOE_H.read_text()
-    text = re.sub(r"^#define LLAMA_MOE_STREAM_ERR_BUDGET .*$", "enum { LLAMA_MOE_X = -3, LLAMA_MOE_STREAM_ERR_BUDGET };",
-                  text, flags=re.M)
+    text = re.sub(r"^#define LLAMA_MOE_STREAM_ERR_BUDGET .*$",
+                  "enum { LLAMA_MOE_X = -3, LLAMA_MOE_STREAM_ERR_BUDGET };", text, flags=re.M)
     text = re.sub(r"^#define LLAMA_MOE_CACHE_AUTO .*$", "", text, flags=re.M)
     h = tmp_path / "llama-moe.h"
     h.write_text(text)

@@ -280,7 +280,8 @@ def test_the_log_callback_is_the_first_llamas_not_the_imports(tmp_path):
         def address(cb):
             return ctypes.cast(cb, ctypes.c_void_p).value
 
-        print("import", installed() == address(_logger.llama_log_callback), installed() == address(bindings._log_callback))
+        print("import", installed() == address(_logger.llama_log_callback),
+              installed() == address(bindings._log_callback))
         stock = llama_cpp.Llama(str(m), n_ctx=256, verbose=False)
         print("stock", len(bindings._log_recent))
         stock.close()
