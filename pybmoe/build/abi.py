@@ -451,3 +451,84 @@ def check(functions: list[Function], structs: list[Struct], header: Path,
         elif flag != "1":
             rep.mismatches.append(Mismatch(where, want, c or "?"))
     return rep
+
+
+# --------------------------------------------------------------------------- constants
+
+_INT_LITERAL = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)(?:[uU](?:ll|LL|l|L)?|(?:ll|LL|l|L)[uU]?)?\b")
+_C_OPS = {"||": " or ", "&&": " and ", "!": " not "}
+
+
+def _c_int(expr: str, known: dict[str, int]) -> int | None:
+    """The value of the C integer constant expression ``expr`` (literals with or without
+    suffixes, names in ``known``, parentheses, unary and binary arithmetic and bit operators);
+    None when it is not one (a string, a float, a cast, a name not in ``known``)."""
+    import ast
+
+    def lit(m: re.Match) -> str:
+        s = m.group(1)
+        if len(s) > 1 and s[0] == "0" and s[1] not in "xX":
+            return str(int(s, 8))  # C octal
+        return str(int(s, 0))
+
+    py = _INT_LITERAL.sub(lit, expr.strip())
+    for c, p in _C_OPS.items():
+        py = py.replace(c, p)
+    try:
+        tree = ast.parse(py, mode="eval")
+    except SyntaxError:
+        return None
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.LShift: lambda a, b: a << b, ast.RShift: lambda a, b: a >> b, ast.BitOr: lambda a, b: a | b,
+           ast.BitAnd: lambda a, b: a & b, ast.BitXor: lambda a, b: a ^ b,
+           ast.Div: lambda a, b: int(a / b), ast.Mod: lambda a, b: a - b * int(a / b)}  # C truncates
+
+    def ev(n):
+        if isinstance(n, ast.Constant) and isinstance(n.value, int) and not isinstance(n.value, bool):
+            return n.value
+        if isinstance(n, ast.Name) and n.id in known:
+            return known[n.id]
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.USub, ast.UAdd, ast.Invert)):
+            v = ev(n.operand)
+            return -v if isinstance(n.op, ast.USub) else v if isinstance(n.op, ast.UAdd) else ~v
+        if isinstance(n, ast.BinOp) and type(n.op) in ops:
+            return ops[type(n.op)](ev(n.left), ev(n.right))
+        raise ValueError(ast.dump(n))
+
+    try:
+        return ev(tree.body)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def header_constants(header: Path) -> dict[str, int]:
+    """The integer constants ``header`` defines, by name: every object-like ``#define NAME value``
+    whose value is an integer constant expression, and every enumerator (an explicit value, else
+    one more than the one before, from 0), in the order they come, a later one seeing the earlier
+    ones. The file alone is read (not the headers it includes); comments are removed first.
+
+    Raises:
+        FileNotFoundError: ``header`` does not exist.
+    """
+    text = _strip_comments(Path(header).read_text(errors="replace")).replace("\\\n", " ")
+    out: dict[str, int] = {}
+    item = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(?P<name>\w+)(?![\w(])[ \t]*(?P<value>[^\n]*)$"
+                      r"|\benum\b[^{;()]*\{(?P<body>[^}]*)\}", re.M)
+    for m in item.finditer(text):
+        if m.group("name"):
+            v = _c_int(m.group("value"), out)
+            if v is not None:
+                out[m.group("name")] = v
+            continue
+        nxt = 0
+        for part in m.group("body").split(","):
+            name, eq, expr = part.partition("=")
+            name = name.strip()
+            if not re.fullmatch(r"[A-Za-z_]\w*", name):
+                continue
+            v = _c_int(expr, out) if eq else nxt
+            if v is None:
+                break  # an enumerator this reader cannot evaluate: the ones after it would be wrong
+            out[name] = v
+            nxt = v + 1
+    return out

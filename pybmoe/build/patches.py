@@ -21,6 +21,7 @@ Workflow::
 from __future__ import annotations
 
 import dataclasses
+import email.header
 import json
 import re
 import shutil
@@ -30,14 +31,69 @@ from pathlib import Path
 from . import trees, vendor
 
 
+def subject(patch: Path) -> str:
+    """The ``Subject`` of a ``git format-patch`` file, the patch's one-line summary (its commit's
+    first line): the header unfolded (a line that starts with white space continues the one before,
+    RFC 5322), MIME encoded-words decoded, without the ``[PATCH ...]`` prefix; ``?`` when it has none."""
+    head = patch.read_text(errors="replace").split("\n\n", 1)[0]
+    m = re.search(r"^Subject:(.*(?:\n[ \t].*)*)", head, re.M)
+    if not m:
+        return "?"
+    text = str(email.header.make_header(email.header.decode_header(re.sub(r"\n[ \t]+", " ", m.group(1)).strip())))
+    return re.sub(r"^\[PATCH[^\]]*\]\s*", "", text).strip()
+
+
 def list_series(root: Path | None = None) -> list[tuple[str, str]]:
-    """``[(file name, Subject)]`` of the series, in order."""
+    """``[(file name, Subject)]`` of the series, in order (:func:`subject`)."""
     root = root or vendor.project_root()
-    out = []
-    for p in vendor.series(root):
-        m = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.*)$", p.read_text(errors="replace"), re.M)
-        out.append((p.name, m.group(1) if m else "?"))
-    return out
+    return [(p.name, subject(p)) for p in vendor.series(root)]
+
+
+#: The header of the series' table in docs/patches.md (:func:`series_table`).
+TABLE_HEAD = ("| patch | subject | notes |", "|---|---|---|")
+_CELL_SEP = re.compile(r"(?<!\\)\|")
+
+
+def table_rows(markdown: str) -> list[tuple[str, str, str]]:
+    """``[(patch number, subject, notes)]`` of the series' table in ``markdown`` (the table under
+    :data:`TABLE_HEAD`), cells as written (``\\|`` kept); ``[]`` when it has none."""
+    lines = markdown.splitlines()
+    for i in range(len(lines) - 1):
+        if tuple(ln.strip() for ln in lines[i:i + 2]) == TABLE_HEAD:
+            rows = []
+            for ln in lines[i + 2:]:
+                if not ln.startswith("|"):
+                    break
+                cells = [c.strip() for c in _CELL_SEP.split(ln.strip())[1:-1]]
+                rows.append(tuple((cells + ["", "", ""])[:3]))
+            return rows
+    return []
+
+
+def series_table(root: Path | None = None, notes: dict[str, str] | None = None) -> str:
+    """The series as a Markdown table, one row per patch in order: its number, its subject
+    (:func:`subject`; ``|`` escaped) and ``notes[number]`` (empty where there is none). The table of
+    docs/patches.md is this, its notes kept (``pybmoe patches list --markdown``)."""
+    notes = notes or {}
+    rows = list(TABLE_HEAD)
+    for name, subj in list_series(root):
+        n = name.split("-", 1)[0]
+        cell, note = subj.replace("|", "\\|"), notes.get(n, "")
+        rows.append(f"| {n} | {cell} |" + (f" {note} |" if note else " |"))
+    return "\n".join(rows) + "\n"
+
+
+#: The page whose table lists the series (:func:`docs_table`), relative to the checkout.
+PATCHES_DOC = Path("docs") / "patches.md"
+
+
+def docs_table(root: Path | None = None) -> str:
+    """The table :data:`PATCHES_DOC` holds when it is up to date: :func:`series_table` with the notes
+    the page has now, by patch number (a patch new to the series gets none)."""
+    root = root or vendor.project_root()
+    doc = root / PATCHES_DOC
+    rows = table_rows(doc.read_text()) if doc.is_file() else []
+    return series_table(root, {n: note for n, _, note in rows})
 
 
 def export(root: Path | None = None, tree: Path | None = None) -> list[str]:

@@ -39,7 +39,9 @@ def _report_rebase(res: patches.RebaseResult, root: Path, dry: bool = False, log
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pybmoe patches", description="the patch series against the pinned upstream")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="the series, in order")
+    ls = sub.add_parser("list", help="the series, in order: each patch's file and subject")
+    ls.add_argument("--markdown", action="store_true", help="the table of docs/patches.md instead: number, "
+                    "subject and the notes the page has for it (paste it over the page's table)")
     sub.add_parser("check", help="apply the series to a fresh pin; exit 0 when every patch applies")
     ex = sub.add_parser("export", help="rewrite patches/ from a work tree's commits")
     ex.add_argument("--from", dest="tree", type=Path, default=None,
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         if a.cmd == "list":
+            if a.markdown:
+                print(patches.docs_table(), end="")
+                return 0
             for name, subject in patches.list_series():
                 print(f"{name}  {subject}")
             return 0

@@ -29,20 +29,43 @@ import sys
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from .flags import parse_admit
 from .servers import wait_for_endpoint
 
-LLAMA_MOE_CACHE_AUTO = -1
-LLAMA_MOE_CACHE_ERR_NO_ROOM = -3  # llama-moe.h: fixed slots do not fit a device
-LLAMA_MOE_DENSE_AUTO = 3  # llama-moe.h
+# llama-moe.h's constants, each under its name there (tests/build/test_abi.py holds every LLAMA_MOE_* name
+# of the package to the header's value)
+LLAMA_MOE_CACHE_AUTO = -1                  # n_slots: size each device from its free memory
+LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT = 1024   # MiB the cache leaves free on each device
+LLAMA_MOE_CACHE_ERR_NO_ROOM = -3           # init: fixed slots do not fit a device (a load error)
+LLAMA_MOE_STREAM_AUTO = -1                 # budget_mib: size from available memory
+LLAMA_MOE_STREAM_FLOOR_AUTO = -1           # floor_mib: 1/16 of the memory limit, 64 .. 1536 MiB
+LLAMA_MOE_STREAM_IO_THREADS_DEFAULT = 4    # read lanes
+LLAMA_MOE_STREAM_ERR_BUDGET = -3           # init: a budget under the mechanical minimum (a load error)
+LLAMA_MOE_DENSE_MMAP = 0                   # the dense weights stay memory-mapped (stock)
+LLAMA_MOE_DENSE_WARM = 1                   # one sequential buffered read at load
+LLAMA_MOE_DENSE_ANON = 2                   # read into anonymous memory
+LLAMA_MOE_DENSE_AUTO = 3                   # anon or mmap, picked at load
+# What llama-moe.h states in its comments only, with no name there (tests/build/test_abi.py reads each
+# from the comments):
+#: a failed call: a bad value, the tier off, a start that failed ("-1 for a bad value or no cache")
+MOE_ERR_FAILED = -1
+#: a setter called while a graph is being computed, i.e. during a generation ("-2 while a graph is
+#: being computed")
+MOE_ERR_BUSY = -2
+#: The stream tier's read lanes the engine takes at the most ("io_threads read lanes (1 .. 64)").
+STREAM_IO_THREADS_MAX = 64
 #: ``dense_weights=`` values and their llama-moe.h modes (``--dense-weights``)
-DENSE_POLICIES = {"mmap": 0, "warm": 1, "anon": 2, "auto": LLAMA_MOE_DENSE_AUTO}
+DENSE_POLICIES = {"mmap": LLAMA_MOE_DENSE_MMAP, "warm": LLAMA_MOE_DENSE_WARM, "anon": LLAMA_MOE_DENSE_ANON,
+                  "auto": LLAMA_MOE_DENSE_AUTO}
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # upstream's LLM_FFN_EXPS_REGEX (--cpu-moe)
+# ggml-backend.h's enum ggml_backend_dev_type (tests/build/test_abi.py holds them to the built tree's header)
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+GGML_BACKEND_DEVICE_TYPE_IGPU = 2
 
 
 class MoeCacheStatsC(ctypes.Structure):
@@ -209,7 +232,6 @@ class MoeCacheStats:
         return self.hits / n if n else 0.0
 
 
-_lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
 
 
@@ -294,8 +316,6 @@ def buffer_type_by_name(name: str) -> int:
 
 #: endpoint -> the device handles its ggml-rpc-server added to the process's backend registry
 _rpc_devices: dict[str, list[int]] = {}
-GGML_BACKEND_DEVICE_TYPE_GPU = 1
-GGML_BACKEND_DEVICE_TYPE_IGPU = 2
 
 
 def _registry_api():
@@ -418,20 +438,18 @@ def _device_names(handles: Sequence[int] | None) -> list[str]:
 COUNT_MAX = 2**31 - 1
 
 
-def _check_count(name: str, v, allow_auto: bool = False, lo: int = 0, hi: int = COUNT_MAX, what: str = "") -> int:
-    """``v`` as the engine's count: an int in ``lo .. hi`` (or ``"auto"`` when ``allow_auto``, returned as
-    LLAMA_MOE_CACHE_AUTO). Raises ValueError naming ``name``, the value and the real range (``what``
-    follows the range, e.g. "MiB" or "(the slots allocated at load)")."""
-    if allow_auto and v == "auto":
-        return LLAMA_MOE_CACHE_AUTO
+def _check_count(name: str, v, auto: int | None = None, lo: int = 0, hi: int = COUNT_MAX, what: str = "") -> int:
+    """``v`` as the engine's count: an int in ``lo .. hi``, or ``"auto"`` where the engine takes it
+    (``auto``: the value that says auto there, e.g. LLAMA_MOE_CACHE_AUTO, returned for it). Raises
+    ValueError naming ``name``, the value and the real range (``what`` follows the range, e.g. "MiB"
+    or "(the slots allocated at load)")."""
+    if auto is not None and v == "auto":
+        return auto
     if isinstance(v, bool) or not isinstance(v, int) or v < lo or v > hi:
-        accepted = f"an integer in {lo} .. {hi}" + (f" {what}" if what else "") + (" or 'auto'" if allow_auto else "")
+        accepted = f"an integer in {lo} .. {hi}" + (f" {what}" if what else "") + (" or 'auto'" if auto is not None
+                                                                                    else "")
         raise ValueError(f"{name}={v!r} is invalid; accepted: {accepted}")
     return v
-
-
-#: The stream tier's read lanes the engine takes (llama-moe.h: 1 .. 64).
-STREAM_IO_THREADS_MAX = 64
 
 
 def _import_llama_cpp():
@@ -447,7 +465,8 @@ llama_cpp, _internals = _import_llama_cpp()
 #
 
 # ggml.h's enum ggml_log_level (llama_cpp 0.3.36's _logger maps an older enum: it shows WARN lines as
-# errors and hides ERROR lines as debug at verbose=False)
+# errors and hides ERROR lines as debug at verbose=False; tests/build/test_abi.py holds these to the
+# built tree's ggml.h)
 GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_DEBUG, GGML_LOG_LEVEL_INFO = 0, 1, 2
 GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 3, 4, 5
 #: the engine's recent lines, (sequence number, level, text): the reasons errors carry
@@ -496,7 +515,20 @@ def _log_callback(level: int, text: bytes, user_data) -> None:
         print(line, end="", flush=True, file=sys.stderr)
 
 
-llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+_log_lock = threading.Lock()
+_log_installed = False
+
+
+def _install_log() -> None:
+    """Makes :func:`_log_callback` the engine's log callback. llama.cpp has one for the process, so
+    this is done once, when the first :class:`Llama` is made (importing this module leaves
+    llama_cpp's own in place); from then on the lines of every model of the process, a stock
+    ``llama_cpp.Llama``'s too, are kept as reasons and shown as :func:`_log_shown` says."""
+    global _log_installed
+    with _log_lock:
+        if not _log_installed:
+            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            _log_installed = True
 
 
 def _log_mark() -> int:
@@ -520,6 +552,9 @@ def _with_reason(msg: str, since: int) -> str:
     return f"{msg}; the engine said: {why}" if why else msg
 
 
+#: One pybmoe.Llama loads at a time in the process: the tiers size themselves from the memory free at
+#: their start (``auto``), which a second load at the same time would count as free too.
+_load_lock = threading.Lock()
 #: every open pybmoe.Llama: closed at interpreter exit while the interpreter still runs, so that no
 #: engine thread enters the log callback of an interpreter that is shutting down
 _live: "weakref.WeakSet[Llama]" = weakref.WeakSet()
@@ -530,6 +565,10 @@ def _close_all() -> None:
     for llm in list(_live):
         with contextlib.suppress(Exception):
             llm.close()
+
+
+#: llama_cpp.Llama's default ``n_ubatch`` (tokens), the largest ubatch the tiers are sized for when none is given
+N_UBATCH_DEFAULT = inspect.signature(llama_cpp.Llama.__init__).parameters["n_ubatch"].default
 
 
 def _llama_cpp_params() -> set[str]:
@@ -591,15 +630,131 @@ def _check_path(name: str, v, must_exist: bool) -> str | None:
     return os.fspath(p)
 
 
+@dataclass(eq=False)
 class _LoadPlan:
-    """What :class:`Llama`'s model load needs (override and device arrays, kept alive with the model)
-    and what it reports back (the slots allocated); it holds no reference to the Llama."""
+    """What :class:`Llama`'s model load needs, checked: the keywords' values as the engine takes
+    them (MiB, slots, steps, lanes, tokens), and the override and device arrays the params point
+    into (kept alive with the model); and what the load reports back (the slots allocated). It
+    holds no reference to the Llama, so that the Llama is freed when its last reference goes, as
+    llama_cpp.Llama is. ``asked``: the keywords as given, for the messages."""
 
-    def __init__(self):
-        self.devices = None
-        self.patterns: list[bytes] = []
-        self.overrides = None
-        self.slots_allocated = 0
+    path: str
+    asked: dict
+    slots: int = 0
+    inserts: int = 0
+    warmup: int = 0
+    upload_mb: int = 0
+    sync: bool = False
+    admit_window: int = 0
+    floor_mb: int = LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT
+    ceil_mb: int = 0
+    stream_mb: int = 0
+    stream_floor: int = LLAMA_MOE_STREAM_FLOOR_AUTO
+    stream_ceil: int = 0
+    io_threads: int = LLAMA_MOE_STREAM_IO_THREADS_DEFAULT
+    dense_mode: int = LLAMA_MOE_DENSE_AUTO
+    trace_path: str | None = None
+    replay_path: str | None = None
+    n_ubatch: int = N_UBATCH_DEFAULT
+    repack: bool = True
+    devices: object = None            # a NULL-terminated ggml_backend_dev_t array, or None: llama.cpp's default
+    device_names: list = field(default_factory=list)
+    patterns: list = field(default_factory=list)
+    overrides: object = None          # a llama_model_tensor_buft_override array, ended by {NULL, NULL}
+    n_overrides: int = 0
+    slots_allocated: int = 0          # reported back: the slots per layer allocated at load
+    loaded: bool = False              # the after-load sequence ran
+
+
+def _before_load(plan: _LoadPlan, params) -> None:
+    """Sets pybmoe's fields of the model params (``llama_model_params``: the tensor overrides, the
+    devices, the extra buffer types) and the stream tier's lazy-load hint, right before the load."""
+    if plan.n_overrides:
+        params.tensor_buft_overrides = ctypes.addressof(plan.overrides)
+    if plan.devices is not None:
+        params.devices = ctypes.addressof(plan.devices)
+    if not plan.repack or plan.stream_mb != 0:
+        params.use_extra_bufts = False  # streamed experts must keep the GGUF layout
+    # with the stream tier, the load leaves the host-resident experts unread (the tier reads them)
+    _llama_lib().llama_moe_stream_hint_lazy_load(os.fsencode(plan.path) if plan.stream_mb != 0 else None)
+
+
+def _after_load(plan: _LoadPlan, model) -> None:
+    """The engine's after-load sequence on ``model`` (a loaded ``llama_cpp._internals.LlamaModel``),
+    before any context: the expert cache, the stream tier, the dense policy, the trace, the replay,
+    in llama-server's order.
+
+    Raises:
+        ValueError: a tier asked for that does not engage, or a trace the engine refuses; the
+            message carries the engine's WARN and ERROR lines. The model is freed first.
+
+    Warns:
+        RuntimeWarning: a tier asked for on a model with no MoE layers (the flag is inert).
+    """
+    lib, m, asked = _llama_lib(), model.model, plan.asked
+    mark = _log_mark()  # the reasons below are the tiers' lines, not the loader's
+
+    def fail(msg: str, reason: bool = True):
+        model.close()
+        return ValueError(_with_reason(msg, mark) if reason else msg)
+
+    def inert(flag: str) -> None:
+        # as llama-server: the flag is inert, and says so (a WARN line there). The frames up to the
+        # caller: this one, _after_load, the _model setter, llama_cpp.Llama.__init__, Llama.__init__
+        warnings.warn(f"{flag}={asked[flag]!r} is inert: the model has no MoE layers", RuntimeWarning, stacklevel=6)
+
+    # the cache belongs to the model: enable it before the context reserves its graphs
+    if plan.slots != 0:
+        cache = f"moe_expert_cache={asked['moe_expert_cache']!r}"
+        rc = lib.llama_model_moe_cache_init_budget(m, plan.slots, plan.inserts, plan.floor_mb, plan.ceil_mb)
+        if rc == LLAMA_MOE_CACHE_ERR_NO_ROOM:
+            raise fail(f"{cache} does not fit the device's free memory minus moe_expert_cache_floor_mb="
+                       f"{plan.floor_mb} MiB")
+        if rc == 0:
+            inert("moe_expert_cache")
+        if rc < 0 and not plan.device_names:
+            raise fail(f"{cache} needs a device to hold the slots, and this model has none: this build has no GPU "
+                       "backend and no rpc_servers were given; pass rpc_servers='host:port' (a ggml-rpc-server, the "
+                       "loopback device of the README) or install a GPU build (CMAKE_ARGS=\"-DGGML_CUDA=ON\" pip "
+                       "install .)", reason=False)
+        if rc < 0:
+            raise fail(f"{cache} was requested but the expert cache did not engage on "
+                       f"{', '.join(plan.device_names)} (no host-resident MoE layer with a device-resident router: "
+                       "give n_gpu_layers and cpu_moe; or no room)")
+        if plan.sync:
+            lib.llama_model_moe_cache_set_sync(m, True)
+        if plan.admit_window:
+            lib.llama_model_moe_cache_set_admit_window(m, plan.admit_window)
+        if plan.warmup:
+            lib.llama_model_moe_cache_set_warmup(m, plan.warmup)
+        if plan.upload_mb and lib.llama_model_moe_cache_set_upload_budget_mib(m, plan.upload_mb) < 0:
+            raise fail(f"moe_expert_cache_upload_mb={plan.upload_mb} is under one expert")
+        st = MoeCacheStatsC()
+        if lib.llama_model_moe_cache_get_stats(m, ctypes.byref(st)):
+            plan.slots_allocated = st.n_slots
+    if plan.stream_mb != 0:
+        stream = f"moe_stream_cache_mb={asked['moe_stream_cache_mb']!r}"
+        rc = lib.llama_model_moe_stream_init(m, plan.stream_mb, plan.stream_floor, plan.stream_ceil, plan.io_threads,
+                                             plan.n_ubatch)
+        if rc == LLAMA_MOE_STREAM_ERR_BUDGET:
+            raise fail(f"{stream} is under the mechanical minimum at n_ubatch={plan.n_ubatch}")
+        if rc < 0:
+            raise fail(f"{stream} was requested but the stream tier did not engage")
+        if rc == 0:
+            inert("moe_stream_cache_mb")
+    if plan.dense_mode == LLAMA_MOE_DENSE_AUTO:
+        apply_dense = plan.stream_mb != 0
+    else:
+        apply_dense = plan.dense_mode != LLAMA_MOE_DENSE_MMAP
+    if apply_dense and lib.llama_model_moe_dense_weights(m, plan.dense_mode) < 0:
+        raise fail(f"dense_weights={asked['dense_weights']!r} could not be applied")
+    # the trace and the replay belong to the model too, after the tiers (as in llama-server)
+    if plan.trace_path is not None and lib.llama_model_moe_trace_open(
+            m, os.fsencode(plan.trace_path), plan.n_ubatch) < 0:
+        raise fail(f"moe_trace={os.fspath(asked['moe_trace'])!r}: cannot write the routing trace there")
+    if plan.replay_path is not None and lib.llama_model_moe_route_replay_open(
+            m, os.fsencode(plan.replay_path), plan.n_ubatch) < 0:
+        raise fail(f"moe_route_replay={os.fspath(asked['moe_route_replay'])!r}: the engine refused the routing trace")
 
 
 class Llama(llama_cpp.Llama):
@@ -675,51 +830,76 @@ class Llama(llama_cpp.Llama):
     A Llama is freed when its last reference goes, at ``close()`` or at the end of a ``with`` block;
     ``verbose=False`` prints no engine line but errors and the tiers' warnings (docs/loopback.md).
     Generation after its RPC server went away raises RuntimeError naming the server.
+
+    What it relies on inside llama-cpp-python 0.3.36, and why. Nothing else is touched: no class or
+    function of llama_cpp is replaced, importing this module changes nothing in the process, and a
+    stock ``llama_cpp.Llama`` beside it loads with llama_cpp's own classes and params (only the log
+    callback is the process's, below).
+
+    - the attributes ``llama_cpp.Llama.__init__`` assigns: ``model_params`` (made, then the load) and
+      ``_model`` (loaded, then the context). Their assignments are the only points between the
+      params and the load, and between the load and the context: the overrides, the devices and
+      the lazy-load hint go in the first, the tiers in the second (the engine takes them after the
+      load and before any context). llama_cpp.Llama takes no tensor overrides or devices and has no
+      hook there; the fields pybmoe sets are ones it never sets.
+    - ``_model.model`` (the ``llama_model *``), which pybmoe's C API takes.
+    - ``_model``, ``_ctx`` and ``_batch`` and their classes in ``llama_cpp._internals``: ``close()``
+      gives each a class whose every call raises (:data:`CLOSED`), since llama_cpp's tokenizer and
+      samplers keep them and a call would reach the freed pointers.
+    - ``llama_cpp.llama_cpp._lib``, the loaded ``libllama`` that holds pybmoe's C API (libggml*
+      are loaded from its folder), and ``llama_cpp._logger``'s level, the verbosity
+      ``Llama(verbose=...)`` sets.
+    - the process's one log callback (``llama_log_set``), replaced when the first Llama is made:
+      the engine's WARN and ERROR lines are the reasons errors carry, at any verbosity.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, moe_expert_cache: int | str = 0,
                  moe_expert_cache_inserts: int = 0, moe_expert_cache_sync: bool = False,
                  moe_expert_cache_warmup: int = 0, moe_expert_cache_upload_mb: int = 0,
-                 moe_expert_cache_floor_mb: int = 1024, moe_expert_cache_ceil_mb: int = 0,
+                 moe_expert_cache_floor_mb: int = LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT, moe_expert_cache_ceil_mb: int = 0,
                  moe_expert_cache_admit: str = "always", cpu_moe: bool = False, n_cpu_moe: int = 0,
                  override_tensor: str | Sequence[tuple[str, str]] | None = None,
                  rpc_servers: str | None = None, repack: bool = True, moe_stream_cache_mb: int | str = 0,
                  moe_stream_floor_mb: int | str = "auto", moe_stream_ceil_mb: int = 0,
-                 moe_stream_io_threads: int = 4, dense_weights: str = "auto",
+                 moe_stream_io_threads: int = LLAMA_MOE_STREAM_IO_THREADS_DEFAULT, dense_weights: str = "auto",
                  moe_trace: str | os.PathLike | None = None, moe_route_replay: str | os.PathLike | None = None,
                  **kwargs):
         self._stack = contextlib.ExitStack()  # llama_cpp's __del__ needs it even when we raise first
+        _install_log()
         _check_kwargs(set(inspect.signature(Llama.__init__).parameters) - {"self", "kwargs"}, kwargs)
         if os.path.isdir(model_path):
             raise ValueError(f"model_path {os.fspath(model_path)} is a directory; accepted: a GGUF file (the first "
                              "file of a split GGUF)")
-        slots = _check_count("moe_expert_cache", moe_expert_cache, allow_auto=True)
-        inserts = _check_count("moe_expert_cache_inserts", moe_expert_cache_inserts)
-        warmup = _check_count("moe_expert_cache_warmup", moe_expert_cache_warmup)
-        upload_mb = _check_count("moe_expert_cache_upload_mb", moe_expert_cache_upload_mb)
         if not isinstance(moe_expert_cache_sync, bool):
             raise ValueError(f"moe_expert_cache_sync must be True or False, got {moe_expert_cache_sync!r}")
-        admit_window = parse_admit(moe_expert_cache_admit)
-        floor_mb = _check_count("moe_expert_cache_floor_mb", moe_expert_cache_floor_mb)
-        ceil_mb = _check_count("moe_expert_cache_ceil_mb", moe_expert_cache_ceil_mb)
-        n_cpu_moe = _check_count("n_cpu_moe", n_cpu_moe)
-        stream_mb = _check_count("moe_stream_cache_mb", moe_stream_cache_mb, allow_auto=True)
-        stream_floor = _check_count("moe_stream_floor_mb", moe_stream_floor_mb, allow_auto=True)
         if dense_weights not in DENSE_POLICIES:
             raise ValueError(f"dense_weights={dense_weights!r} is invalid; accepted: {', '.join(DENSE_POLICIES)}")
-        dense_mode = DENSE_POLICIES[dense_weights]
-        stream_ceil = _check_count("moe_stream_ceil_mb", moe_stream_ceil_mb)
-        io_threads = _check_count("moe_stream_io_threads", moe_stream_io_threads, lo=1, hi=STREAM_IO_THREADS_MAX)
-        trace_path = _check_path("moe_trace", moe_trace, must_exist=False)
-        replay_path = _check_path("moe_route_replay", moe_route_replay, must_exist=True)
-        n_ubatch = int(kwargs.get("n_ubatch", 512))
+        asked = {"moe_expert_cache": moe_expert_cache, "moe_stream_cache_mb": moe_stream_cache_mb,
+                 "dense_weights": dense_weights, "moe_trace": moe_trace, "moe_route_replay": moe_route_replay}
+        plan = _LoadPlan(
+            os.fspath(model_path), asked,
+            slots=_check_count("moe_expert_cache", moe_expert_cache, auto=LLAMA_MOE_CACHE_AUTO),
+            inserts=_check_count("moe_expert_cache_inserts", moe_expert_cache_inserts),
+            warmup=_check_count("moe_expert_cache_warmup", moe_expert_cache_warmup),
+            upload_mb=_check_count("moe_expert_cache_upload_mb", moe_expert_cache_upload_mb),
+            sync=moe_expert_cache_sync,
+            admit_window=parse_admit(moe_expert_cache_admit),
+            floor_mb=_check_count("moe_expert_cache_floor_mb", moe_expert_cache_floor_mb),
+            ceil_mb=_check_count("moe_expert_cache_ceil_mb", moe_expert_cache_ceil_mb),
+            stream_mb=_check_count("moe_stream_cache_mb", moe_stream_cache_mb, auto=LLAMA_MOE_STREAM_AUTO),
+            stream_floor=_check_count("moe_stream_floor_mb", moe_stream_floor_mb, auto=LLAMA_MOE_STREAM_FLOOR_AUTO),
+            stream_ceil=_check_count("moe_stream_ceil_mb", moe_stream_ceil_mb),
+            io_threads=_check_count("moe_stream_io_threads", moe_stream_io_threads, lo=1, hi=STREAM_IO_THREADS_MAX),
+            dense_mode=DENSE_POLICIES[dense_weights],
+            trace_path=_check_path("moe_trace", moe_trace, must_exist=False),
+            replay_path=_check_path("moe_route_replay", moe_route_replay, must_exist=True),
+            n_ubatch=int(kwargs.get("n_ubatch", N_UBATCH_DEFAULT)),
+            repack=repack)
+        n_cpu_moe = _check_count("n_cpu_moe", n_cpu_moe)
         endpoints = [ep.strip() for ep in rpc_servers.split(",") if ep.strip()] if rpc_servers else []
         devices = offload_devices(endpoints)  # this model's RPC devices only, not other models'
-        # what the model load needs and reports back; it holds no reference to this Llama (so that the
-        # Llama is freed when its last reference goes, as llama_cpp.Llama is)
-        plan = self._moe_plan = _LoadPlan()
         plan.devices = None if devices is None else (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
-        device_names = _device_names(devices)
+        plan.device_names = _device_names(devices)
 
         pairs: list[tuple[str, int]] = []
         if isinstance(override_tensor, str):
@@ -736,93 +916,11 @@ class Llama(llama_cpp.Llama):
         plan.patterns = [p.encode() for p, _ in pairs]  # kept alive with the model
         plan.overrides = (_Override * (len(pairs) + 1))(
             *[_Override(pat, buft) for pat, (_, buft) in zip(plan.patterns, pairs)], _Override(None, None))
+        plan.n_overrides = len(pairs)
 
-        base = _internals.LlamaModel
-
-        class _Model(base):
-            def __init__(self, *, path_model, params, verbose=True):
-                if pairs:
-                    params.tensor_buft_overrides = ctypes.addressof(plan.overrides)
-                if plan.devices is not None:
-                    params.devices = ctypes.addressof(plan.devices)
-                if not repack or stream_mb != 0:
-                    params.use_extra_bufts = False  # streamed experts must keep the GGUF layout
-                # with the stream tier, the load leaves the host-resident experts unread (the tier reads them)
-                _llama_lib().llama_moe_stream_hint_lazy_load(os.fsencode(path_model) if stream_mb != 0 else None)
-                super().__init__(path_model=path_model, params=params, verbose=verbose)
-                mark = _log_mark()  # the reasons below are the tiers' lines, not the loader's
-                # the cache belongs to the model: enable it before the context reserves its graphs
-                if slots != 0:
-                    lib = _llama_lib()
-                    rc = lib.llama_model_moe_cache_init_budget(self.model, slots, inserts, floor_mb, ceil_mb)
-                    if rc == LLAMA_MOE_CACHE_ERR_NO_ROOM:
-                        self.close()
-                        raise ValueError(_with_reason(
-                            f"moe_expert_cache={moe_expert_cache!r} does not fit the device's free memory minus "
-                            f"moe_expert_cache_floor_mb={floor_mb} MiB", mark))
-                    if rc == 0:
-                        # as llama-server: the flag is inert, and says so (a WARN line there)
-                        warnings.warn(f"moe_expert_cache={moe_expert_cache!r} is inert: the model has no MoE layers",
-                                      RuntimeWarning, stacklevel=4)
-                    if rc < 0 and not device_names:
-                        self.close()
-                        raise ValueError(f"moe_expert_cache={moe_expert_cache!r} needs a device to hold the slots, and "
-                                         "this model has none: this build has no GPU backend and no rpc_servers were "
-                                         "given; pass rpc_servers='host:port' (a ggml-rpc-server, the loopback device "
-                                         "of the README) or install a GPU build (CMAKE_ARGS=\"-DGGML_CUDA=ON\" pip "
-                                         "install .)")
-                    if rc < 0:
-                        self.close()
-                        raise ValueError(_with_reason(
-                            f"moe_expert_cache={moe_expert_cache!r} was requested but the expert cache did not engage "
-                            f"on {', '.join(device_names)} (no host-resident MoE layer with a device-resident router: "
-                            "give n_gpu_layers and cpu_moe; or no room)", mark))
-                    if moe_expert_cache_sync:
-                        lib.llama_model_moe_cache_set_sync(self.model, True)
-                    if admit_window:
-                        lib.llama_model_moe_cache_set_admit_window(self.model, admit_window)
-                    if warmup:
-                        lib.llama_model_moe_cache_set_warmup(self.model, warmup)
-                    if upload_mb and lib.llama_model_moe_cache_set_upload_budget_mib(self.model, upload_mb) < 0:
-                        self.close()
-                        raise ValueError(_with_reason(f"moe_expert_cache_upload_mb={upload_mb} is under one expert",
-                                                      mark))
-                    st = MoeCacheStatsC()
-                    if _llama_lib().llama_model_moe_cache_get_stats(self.model, ctypes.byref(st)):
-                        plan.slots_allocated = st.n_slots
-                if stream_mb != 0:
-                    lib = _llama_lib()
-                    rc = lib.llama_model_moe_stream_init(self.model, stream_mb, stream_floor, stream_ceil, io_threads,
-                                                         n_ubatch)
-                    if rc == -3:
-                        self.close()
-                        raise ValueError(_with_reason(f"moe_stream_cache_mb={moe_stream_cache_mb!r} is under the "
-                                                      f"mechanical minimum at n_ubatch={n_ubatch}", mark))
-                    if rc < 0:
-                        self.close()
-                        raise ValueError(_with_reason(f"moe_stream_cache_mb={moe_stream_cache_mb!r} was requested but "
-                                                      "the stream tier did not engage", mark))
-                    if rc == 0:
-                        warnings.warn(f"moe_stream_cache_mb={moe_stream_cache_mb!r} is inert: the model has no MoE "
-                                      "layers", RuntimeWarning, stacklevel=4)
-                apply_dense = stream_mb != 0 if dense_mode == LLAMA_MOE_DENSE_AUTO else dense_mode != 0
-                if apply_dense and _llama_lib().llama_model_moe_dense_weights(self.model, dense_mode) < 0:
-                    self.close()
-                    raise ValueError(_with_reason(f"dense_weights={dense_weights!r} could not be applied", mark))
-                # the trace and the replay belong to the model too, after the tiers (as in llama-server)
-                if trace_path is not None and _llama_lib().llama_model_moe_trace_open(
-                        self.model, os.fsencode(trace_path), n_ubatch) < 0:
-                    self.close()
-                    raise ValueError(_with_reason(f"moe_trace={os.fspath(moe_trace)!r}: cannot write the routing "
-                                                  "trace there", mark))
-                if replay_path is not None and _llama_lib().llama_model_moe_route_replay_open(
-                        self.model, os.fsencode(replay_path), n_ubatch) < 0:
-                    self.close()
-                    raise ValueError(_with_reason(f"moe_route_replay={os.fspath(moe_route_replay)!r}: the engine "
-                                                  "refused the routing trace", mark))
-
-        with _lock:
-            _internals.LlamaModel = _Model
+        # the load steps run where llama_cpp.Llama.__init__ assigns model_params and _model (below)
+        self._moe_plan = plan
+        with _load_lock:
             mark = _log_mark()
             try:
                 super().__init__(os.fspath(model_path), **kwargs)  # llama_cpp takes a str only
@@ -832,8 +930,42 @@ class Llama(llama_cpp.Llama):
                 # llama_cpp says only that the load failed; the loader's lines say why, at any verbosity
                 raise ValueError(_with_reason(str(e), mark)) from None
             finally:
-                _internals.LlamaModel = base
+                if not plan.loaded and plan.stream_mb != 0:
+                    _llama_lib().llama_moe_stream_hint_lazy_load(None)  # no load took the hint
         _live.add(self)
+
+    @property
+    def model_params(self):
+        """``llama_cpp.Llama.model_params`` (``llama_model_params``); assigned once, by
+        ``llama_cpp.Llama.__init__`` before the load, when pybmoe's fields are set in it."""
+        try:
+            return self.__dict__["model_params"]
+        except KeyError:
+            raise AttributeError("model_params") from None
+
+    @model_params.setter
+    def model_params(self, params) -> None:
+        self.__dict__["model_params"] = params
+        plan = self.__dict__.get("_moe_plan")
+        if plan is not None and not plan.loaded:
+            _before_load(plan, params)
+
+    @property
+    def _model(self):
+        """llama_cpp's ``LlamaModel``; assigned by ``llama_cpp.Llama.__init__`` after the load and
+        before the context, when the engine's after-load sequence runs on it (:func:`_after_load`)."""
+        try:
+            return self.__dict__["_model"]
+        except KeyError:
+            raise AttributeError("_model") from None
+
+    @_model.setter
+    def _model(self, model) -> None:
+        plan = self.__dict__.get("_moe_plan")
+        if plan is not None and not plan.loaded:
+            plan.loaded = True
+            _after_load(plan, model)
+        self.__dict__["_model"] = model
 
     def __enter__(self) -> "Llama":
         return self
@@ -913,7 +1045,7 @@ class Llama(llama_cpp.Llama):
                              f"(more, up to {COUNT_MAX}, is clamped to every expert's bytes)")
         n = budget_mb
         rc = _llama_lib().llama_model_moe_stream_set_budget_mib(self._model.model, n)
-        if rc == -2:
+        if rc == MOE_ERR_BUSY:
             raise RuntimeError("set_moe_stream_budget_mb was called during a generation; call it between generations")
         if rc < 0:
             raise ValueError(f"budget_mb={budget_mb} was refused (see the log)")
@@ -933,7 +1065,7 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"n_slots={n_slots} is out of range; accepted: 0 .. {cap} (the slots allocated at load)")
         n = _check_count("n_slots", n_slots, hi=cap, what="(the slots allocated at load)")
         rc = _llama_lib().llama_model_moe_cache_set_slots(self._model.model, n)
-        if rc == -2:
+        if rc == MOE_ERR_BUSY:
             raise RuntimeError("set_moe_cache_slots was called during a generation; call it between generations")
         if rc < 0:
             raise ValueError(f"n_slots={n_slots} was refused; accepted: 0 .. {cap} (the slots allocated at load)")

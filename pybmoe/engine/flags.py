@@ -4,30 +4,30 @@
 from __future__ import annotations
 
 
-#: ``--moe-expert-cache-admit second-miss`` without ``:W``: the window, steps (llama-moe.h's
-#: LLAMA_MOE_CACHE_ADMIT_WINDOW_DEFAULT; docs/traces.md "Admission" measured it)
-ADMIT_WINDOW_DEFAULT = 4
-#: the longest admission window the engine takes, steps (LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX)
-ADMIT_WINDOW_MAX = 1024
+#: ``--moe-expert-cache-admit second-miss`` without ``:W``: the window, steps (llama-moe.h; docs/traces.md
+#: "Admission" measured it). tests/build/test_abi.py holds both to the header.
+LLAMA_MOE_CACHE_ADMIT_WINDOW_DEFAULT = 4
+#: the longest admission window the engine takes, steps (llama-moe.h)
+LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX = 1024
 
 
 def parse_admit(admit: str) -> int:
     """The admission window in steps of ``--moe-expert-cache-admit``'s value: ``"always"`` is 0,
-    ``"second-miss"`` :data:`ADMIT_WINDOW_DEFAULT`, ``"second-miss:W"`` W.
+    ``"second-miss"`` :data:`LLAMA_MOE_CACHE_ADMIT_WINDOW_DEFAULT`, ``"second-miss:W"`` W.
 
     Raises:
-        ValueError: anything else, or W outside 1 .. :data:`ADMIT_WINDOW_MAX`.
+        ValueError: anything else, or W outside 1 .. :data:`LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX`.
     """
     if admit == "always":
         return 0
     if admit == "second-miss":
-        return ADMIT_WINDOW_DEFAULT
+        return LLAMA_MOE_CACHE_ADMIT_WINDOW_DEFAULT
     if isinstance(admit, str) and admit.startswith("second-miss:"):
         w = admit[len("second-miss:"):]
-        if w.isdigit() and 1 <= int(w) <= ADMIT_WINDOW_MAX:
+        if w.isdigit() and 1 <= int(w) <= LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX:
             return int(w)
     raise ValueError(f"admit={admit!r}: expected 'always', 'second-miss' or 'second-miss:W' with W in "
-                     f"1 .. {ADMIT_WINDOW_MAX} steps")
+                     f"1 .. {LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX} steps")
 
 
 def cache_args(slots: int, inserts: int = 0, sync: bool = False, admit: str = "always") -> list[str]:

@@ -83,8 +83,9 @@ BACKENDS = ("auto", "c", "python")
 #: ``second-miss`` uploads a miss only when the same expert also missed within the last
 #: ``admit_window`` steps of its layer.
 ADMISSIONS = ("always", "second-miss")
-#: The default ``admit_window`` of ``second-miss``, in steps (served ubatches) of the layer.
-DEFAULT_ADMIT_WINDOW = 4
+#: The default ``admit_window`` of ``second-miss``, in steps (served ubatches) of the layer: the engine's
+#: (llama-moe.h's LLAMA_MOE_CACHE_ADMIT_WINDOW_DEFAULT, which tests/build/test_abi.py holds this copy to).
+DEFAULT_ADMIT_WINDOW = LLAMA_MOE_CACHE_ADMIT_WINDOW_DEFAULT = 4
 _GLOBAL_CODE = {"global-lru": 0, "fifo": 1, "lfu": 2, "belady": 3, "global-lru-scan": 4}
 _SERVED, _RESET = 1, 2
 _NEVER = 1 << 62

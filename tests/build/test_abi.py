@@ -3,12 +3,21 @@ tree's llama.h, and pybmoe's own against ggml-ext/llama-moe.h; and that the chec
 declaration broken on purpose (a wrong return type, a wrong parameter, a narrowed or missing
 field, a header that changed a signature).
 
-Needs the built tree (``vendor/src/.../include/llama.h``), the ``llama_cpp`` package and a C++
-compiler; each test says why it skips without them. One compile per check (about a second).
+The constants: every copy the package holds of a llama-moe.h constant (a ``LLAMA_MOE_*`` name, the
+header's own) is held to the value the header has now, read from it (``#define``s and enumerators,
+:func:`pybmoe.build.abi.header_constants`), so a constant the engine renames, renumbers or moves
+into an enum fails here; the results the header states only in words (a setter's -2 while a graph
+is being computed, the -1 of a failed call, the read lanes' range) are read from its comments. The
+copies of ggml's enumerators (``GGML_*``) are held to the pinned tree's ggml.h and ggml-backend.h.
+
+The signature and layout checks need the built tree (``vendor/src/.../include/llama.h``), the
+``llama_cpp`` package and a C++ compiler; each test says why it skips without them. One compile
+per check (about a second). The llama-moe.h constants need only the checkout and ``llama_cpp``.
 """
 from __future__ import annotations
 
 import ctypes
+import re
 import shutil
 from pathlib import Path
 
@@ -158,3 +167,120 @@ def test_check_raises_on_a_missing_header_or_compiler(tmp_path):
     (tmp_path / "x.h").write_text("")
     with pytest.raises(abi.AbiError, match="no C\\+\\+ compiler"):
         abi.check([], [], tmp_path / "x.h", cxx="no-such-compiler-here")
+
+
+# ------------------------------------------------------------------ constants: the package's copies of the headers'
+
+LLAMA_MOE_H = ROOT / "ggml-ext" / "llama-moe.h"
+
+
+def _copies(prefix: str) -> dict[str, int]:
+    """``{"module.NAME": value}`` of every module-level name of the package that starts with ``prefix``
+    (found in the source, valued as the imported module has it)."""
+    import ast
+    import importlib
+    out = {}
+    for f in sorted((ROOT / "pybmoe").rglob("*.py")):
+        names = {t.id for node in ast.parse(f.read_text()).body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                 for tgt in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 for t in ast.walk(tgt) if isinstance(t, ast.Name) and t.id.startswith(prefix)}
+        if names:
+            mod = importlib.import_module(".".join(f.relative_to(ROOT).with_suffix("").parts))
+            out |= {f"{mod.__name__}.{n}": getattr(mod, n) for n in names}
+    return out
+
+
+def _differences(copies: dict[str, int], header: dict[str, int]) -> list[str]:
+    return [f"{where} = {v}: " + (f"the header has {header[where.rsplit('.', 1)[1]]}"
+                                  if where.rsplit(".", 1)[1] in header else "the header has no such name")
+            for where, v in sorted(copies.items()) if header.get(where.rsplit(".", 1)[1]) != v]
+
+
+def test_every_copy_of_a_llama_moe_h_constant_equals_the_header():
+    """Every LLAMA_MOE_* name of the package is llama-moe.h's, and has its value there (a #define or an
+    enumerator, read from the header as it is now)."""
+    _llama_cpp()
+    copies = _copies("LLAMA_MOE_")
+    assert {"pybmoe.engine.bindings.LLAMA_MOE_STREAM_ERR_BUDGET", "pybmoe.engine.bindings.LLAMA_MOE_CACHE_ERR_NO_ROOM",
+            "pybmoe.engine.bindings.LLAMA_MOE_DENSE_AUTO", "pybmoe.engine.flags.LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX",
+            "pybmoe.routing.sim.LLAMA_MOE_CACHE_ADMIT_WINDOW_DEFAULT"} <= set(copies), sorted(copies)
+    bad = _differences(copies, abi.header_constants(LLAMA_MOE_H))
+    assert not bad, "copies of llama-moe.h's constants that differ from it:\n" + "\n".join(bad)
+
+
+def _comments(header: Path) -> str:
+    """The text of ``header``'s comments, the lines of each joined by spaces."""
+    text = header.read_text()
+    parts = re.findall(r"//([^\n]*)|/\*(.*?)\*/", text, re.S)
+    return " ".join((a or b).strip() for a, b in parts)
+
+
+def test_the_results_llama_moe_h_states_in_words_are_the_bindings():
+    """The results the header gives in its comments only (no name there yet): a setter's value while a
+    graph is being computed, and the -1 of a failed call; and the read lanes' range. If the header names
+    them (a #define or an enum), this fails: the bindings then take its names, as above."""
+    _llama_cpp()
+    from pybmoe.engine import bindings
+    said = _comments(LLAMA_MOE_H)
+    busy = re.findall(r"(-?\d+) while a graph is being computed", said)
+    assert len(busy) >= 6 and set(map(int, busy)) == {bindings.MOE_ERR_BUSY}, busy
+    failed = re.findall(r"(?:Returns|returns)[^.;]*?(-\d+) "
+                        r"(?:for a bad value|when the (?:cache|tier) is off|\(logged\))", said)
+    assert len(failed) >= 6 and set(map(int, failed)) == {bindings.MOE_ERR_FAILED}, failed
+    lanes = re.findall(r"io_threads read lanes \(1 \.\. (\d+)\)", said)
+    assert lanes == [str(bindings.STREAM_IO_THREADS_MAX)], lanes
+
+
+def test_every_copy_of_a_ggml_constant_equals_the_pinned_headers():
+    lc = _tree()
+    _llama_cpp()
+    header = {}
+    for h in ("ggml.h", "ggml-backend.h"):
+        header |= abi.header_constants(lc / "ggml" / "include" / h)
+    copies = _copies("GGML_")
+    assert {"pybmoe.engine.bindings.GGML_LOG_LEVEL_WARN", "pybmoe.engine.bindings.GGML_BACKEND_DEVICE_TYPE_GPU"} \
+        <= set(copies), sorted(copies)
+    bad = _differences(copies, header)
+    assert not bad, "copies of ggml's constants that differ from the pinned headers:\n" + "\n".join(bad)
+
+
+def test_header_constants_reads_defines_and_enums(tmp_path):
+    """What the reader takes from a header: object-like #defines of integer expressions (suffixes, names
+    defined before, parentheses), enumerators with and without values; not a function-like macro, a
+    string, a float or a comment."""
+    h = tmp_path / "x.h"
+    h.write_text("#pragma once\n"
+                 "#define A (-3)   // a comment\n"
+                 "#define B 0x10u\n"
+                 "#define C (B << 2) + A\n"
+                 "#define F(x) ((x) + 1)\n"
+                 "#define S \"text\"\n"
+                 "#define D 1.5\n"
+                 "#define LONG \\\n    (7 * 6)\n"
+                 "/* #define HIDDEN 1 */\n"
+                 "// #define ALSO_HIDDEN 2\n"
+                 "enum llama_moe_result {\n"
+                 "    LLAMA_MOE_OK,              // 0\n"
+                 "    LLAMA_MOE_ERR_FAILED = -1,\n"
+                 "    LLAMA_MOE_ERR_BUSY = LLAMA_MOE_ERR_FAILED - 1,\n"
+                 "    LLAMA_MOE_NEXT,\n"
+                 "};\n"
+                 "typedef enum { E0 = 010, E1 } e_t;\n")
+    assert abi.header_constants(h) == {"A": -3, "B": 16, "C": 61, "LONG": 42, "LLAMA_MOE_OK": 0,
+                                       "LLAMA_MOE_ERR_FAILED": -1, "LLAMA_MOE_ERR_BUSY": -2, "LLAMA_MOE_NEXT": -1,
+                                       "E0": 8, "E1": 9}
+
+
+def test_a_copy_the_header_changed_or_dropped_is_reported(tmp_path):
+    """llama-moe.h as a refactor may leave it: the stream's budget error renumbered and moved into an
+    enum, the cache's auto gone. The check names both copies, and nothing else."""
+    _llama_cpp()
+    text = LLAMA_MOE_H.read_text()
+    text = re.sub(r"^#define LLAMA_MOE_STREAM_ERR_BUDGET .*$",
+                  "enum { LLAMA_MOE_X = -3, LLAMA_MOE_STREAM_ERR_BUDGET };", text, flags=re.M)
+    text = re.sub(r"^#define LLAMA_MOE_CACHE_AUTO .*$", "", text, flags=re.M)
+    h = tmp_path / "llama-moe.h"
+    h.write_text(text)
+    bad = _differences(_copies("LLAMA_MOE_"), abi.header_constants(h))
+    assert bad == ["pybmoe.engine.bindings.LLAMA_MOE_CACHE_AUTO = -1: the header has no such name",
+                   "pybmoe.engine.bindings.LLAMA_MOE_STREAM_ERR_BUDGET = -3: the header has -2"], bad

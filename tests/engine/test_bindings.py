@@ -38,9 +38,11 @@ def test_bad_arguments_raise_value_error(model_q8, bad):
                                     ({"moe_stream_cache_mb": 2**31}, r"an integer in 0 \.\. 2147483647 or 'auto'"),
                                     ({"moe_stream_floor_mb": -3}, r"moe_stream_floor_mb=-3 is invalid"),
                                     # issue 43, item 5: the lanes' real range (it said 0 .. 2147483647)
-                                    ({"moe_stream_io_threads": -3}, r"^moe_stream_io_threads=-3 is invalid; accepted: "
-                                                                    r"an integer in 1 \.\. 64$"),
-                                    ({"moe_stream_io_threads": 65}, r"accepted: an integer in 1 \.\. 64$"),
+                                    ({"moe_stream_io_threads": -3},
+                                     r"^moe_stream_io_threads=-3 is invalid; accepted: "
+                                     rf"an integer in 1 \.\. {bindings.STREAM_IO_THREADS_MAX}$"),
+                                    ({"moe_stream_io_threads": bindings.STREAM_IO_THREADS_MAX + 1},
+                                     rf"accepted: an integer in 1 \.\. {bindings.STREAM_IO_THREADS_MAX}$"),
                                     ({"dense_weights": "ram"}, r"dense_weights='ram' is invalid; accepted: mmap, warm, "
                                                                r"anon, auto")])
 def test_stream_values_out_of_range_name_the_range(model_q8, kw, msg):

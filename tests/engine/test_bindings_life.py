@@ -87,6 +87,31 @@ def test_the_rpc_servers_memory_comes_back_after_del(model_q8, tmp_path):
         assert after - base <= (loaded - base) // 4, (base, loaded, after)
 
 
+def test_a_stock_llama_beside_keeps_llama_cpps_classes_and_params(tmp_path):
+    """pybmoe's load steps run in its own Llama only. Before, each load put a class of its own in
+    place of llama_cpp._internals.LlamaModel for the process (under a lock), so a stock llama_cpp.Llama
+    made on another thread meanwhile loaded through it. (In a child: a stock Llama offloads to every
+    registered device, and this process's tests leave RPC devices whose servers are gone.)"""
+    rc, out, err = _child(tmp_path, """
+        import llama_cpp
+        import llama_cpp._internals as internals
+        cls = internals.LlamaModel
+        with bindings.Llama(m, cpu_moe=True, repack=False, n_ctx=256, verbose=False) as llm:
+            # the --cpu-moe override and --no-repack went into this Llama's params
+            print("pybmoe", internals.LlamaModel is cls, type(llm._model) is cls,
+                  bool(llm.model_params.tensor_buft_overrides), llm.model_params.use_extra_bufts)
+            stock = llama_cpp.Llama(str(m), n_ctx=256, verbose=False)
+            print("stock", type(stock._model) is cls, stock.model_params.tensor_buft_overrides,
+                  stock.model_params.use_extra_bufts, llama_cpp.llama_model_default_params().use_extra_bufts)
+            print("text", stock("Hi", max_tokens=2, temperature=0)["choices"][0]["text"] is not None)
+            stock.close()
+        print("after", internals.LlamaModel is cls)
+    """)
+    assert rc == 0, err[-3000:]
+    assert out.splitlines() == ["pybmoe True True True False", "stock True None True True", "text True",
+                                "after True"], (out, err[-3000:])
+
+
 def test_a_misspelt_tier_keyword_is_a_type_error_naming_the_closest(model_q8):
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'moe_stream_cache'; did you mean "
                                         r"'moe_stream_cache_mb'\?"):
@@ -170,8 +195,9 @@ def test_an_inert_tier_is_a_python_warning(rpc, tmp_path):
         warnings.simplefilter("always")
         llm = bindings.Llama(m, n_ctx=256, moe_stream_cache_mb=8, verbose=False)
         llm.close()
-    msgs = [str(w.message) for w in got if issubclass(w.category, RuntimeWarning)]
-    assert "moe_stream_cache_mb=8 is inert: the model has no MoE layers" in msgs, msgs
+    msgs = [(str(w.message), w.filename) for w in got if issubclass(w.category, RuntimeWarning)]
+    # the warning points at the caller's line, not into pybmoe or llama_cpp
+    assert ("moe_stream_cache_mb=8 is inert: the model has no MoE layers", __file__) in msgs, msgs
 
 
 def _dense_with_expert_count(tmp_path: Path) -> Path:
@@ -235,6 +261,36 @@ def test_verbose_false_prints_nothing(tmp_path):
             del llm
     """)
     assert rc == 0 and out == "" and err == "", (rc, out, err)
+
+
+def test_the_log_callback_is_the_first_llamas_not_the_imports(tmp_path):
+    """Importing pybmoe.engine.bindings replaced llama_cpp's log callback for the whole process. The
+    import now leaves llama_cpp's in place (a stock llama_cpp.Llama made after it logs through
+    llama_cpp's, none of its lines reach pybmoe's); the first pybmoe.Llama installs pybmoe's."""
+    rc, out, err = _child(tmp_path, """
+        import ctypes
+        import llama_cpp
+        from llama_cpp import _logger
+
+        def installed():
+            cb, user_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+            llama_cpp.llama_log_get(ctypes.byref(cb), ctypes.byref(user_data))
+            return ctypes.cast(cb, ctypes.c_void_p).value
+
+        def address(cb):
+            return ctypes.cast(cb, ctypes.c_void_p).value
+
+        print("import", installed() == address(_logger.llama_log_callback),
+              installed() == address(bindings._log_callback))
+        stock = llama_cpp.Llama(str(m), n_ctx=256, verbose=False)
+        print("stock", len(bindings._log_recent))
+        stock.close()
+        llm = bindings.Llama(m, n_ctx=256, verbose=False)
+        print("pybmoe", installed() == address(bindings._log_callback), len(bindings._log_recent) > 0)
+        llm.close()
+    """)
+    assert rc == 0, err[-3000:]
+    assert out.splitlines() == ["import True False", "stock 0", "pybmoe True True"], (out, err[-3000:])
 
 
 def test_a_wrong_rpc_endpoint_is_a_value_error_naming_it(tmp_path):

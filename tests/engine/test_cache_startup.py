@@ -12,7 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pybmoe import models
+
+bindings = pytest.importorskip("pybmoe.engine.bindings", reason="the llama_cpp bindings are not installed")
 
 # experts of 0.80 MiB (3 x 256 x 1024 Q8_0 rows) with a narrow embedding: 148 MiB (n_embd 512, n_ff 512: 188 MiB)
 SHAPE = dict(n_layer=4, n_expert=32, n_expert_used=4, n_embd=256, n_ff_exp=1024)
@@ -44,7 +48,7 @@ def test_a_failed_start_frees_the_slots_it_allocated(rpc, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     fields = r.stdout.split()
     rc, before, after = int(fields[1]), float(fields[3]), float(fields[5])
-    assert rc == -1
+    assert rc == bindings.MOE_ERR_FAILED
     assert f"moe-cache: cannot open {copy}" in r.stderr and "are freed" in r.stderr, r.stderr[-3000:]
     # 32 slots (+1 zero) x 4 layers x 0.80 MiB were allocated and cleared on the device (~105 MiB)
     freed = float(r.stderr.split("MiB it had allocated are freed")[0].rsplit("(", 1)[1])

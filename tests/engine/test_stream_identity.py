@@ -438,6 +438,7 @@ def test_a_file_unreadable_after_load_turns_the_tier_off_loudly_naming_it(tmp_pa
     import subprocess
     import sys
     import shutil
+    from pybmoe.engine import bindings
     model = models.cached_model_path(models.ModelSpec(arch="qwen3moe", **SHAPE))
     copy = tmp_path / "gone.gguf"
     shutil.copy(model, copy)
@@ -452,10 +453,10 @@ def test_a_file_unreadable_after_load_turns_the_tier_off_loudly_naming_it(tmp_pa
         "m = llama_cpp.llama_model_load_from_file(p.encode(), mp)\n"
         "assert m\n"
         "os.rename(p, p + '.moved')\n"
-        "rc = lib.llama_model_moe_stream_init(m, 4, 1536, 0, 4, 1)\n"
+        "rc = lib.llama_model_moe_stream_init(m, 4, 1536, 0, bindings.LLAMA_MOE_STREAM_IO_THREADS_DEFAULT, 1)\n"
         "print('rc', rc, flush=True)\n")
     r = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "rc -1" in r.stdout, r.stdout
+    assert f"rc {bindings.MOE_ERR_FAILED}" in r.stdout, r.stdout
     assert f"moe-stream: cannot open {copy}" in r.stderr and "No such file or directory" in r.stderr
     assert "the stream tier is OFF" in r.stderr
