@@ -1,27 +1,30 @@
 #pragma once
 
-// pybmoe: the hooks that the patch series calls from upstream llama.cpp (patches 0003 and 0008):
-// model load and teardown, graph building, and the step around each ubatch's graph.
+// pybmoe: the hooks that the patch series calls from upstream llama.cpp: model load and teardown,
+// context creation and teardown, graph building, and the step around each ubatch's graph.
+//   0003  llama.cpp: record_sources; llama-model.cpp: llama_moe_cache_free; llama-context.cpp: active,
+//         n_graph_nodes, before_ubatch, after_ubatch, on_context_free; llama-graph.cpp: graph_layer,
+//         build_split, bias
+//   0008  llama-graph.cpp: llama_moe_route_replay_ids
+//   0015  llama-graph.cpp: llama_moe_stream_ids
+//   0029  llama-model-loader.cpp: llama_moe_cache_lazy_ranges; llama-context.cpp: on_context_init
+// Two ggml hooks the engine sets live in ggml's own headers: the MUL_MAT_ID skip table (0001,
+// ggml_mul_mat_id_set_skip) and the CPU MUL_MAT_ID wait (0033, ggml_cpu_set_mul_mat_id_wait, set by
+// llama-moe-inflight.cpp). common, llama-bench and the server call llama-moe.h's C API, not these.
 //
 // Holds: declarations only, with forward-declared types, so that an upstream file that includes it
 // sees no pybmoe internals.
 // Must not hold: state or logic (the owner is llama-moe-model.h; each concern has its own file), or
 // the exported C API (llama-moe.h, included here for the callers' convenience).
 //
-// How a cached layer is computed: for every host-resident MoE layer (experts on the CPU, router on
-// a device) the model owns companion tensors in the router's buffer type:
-//   up/gate/down slots  [ne0, ne1, n_phys + 1]    n_phys = slots + staging; the last is all zeros
-//   dev_table           I32 [1, n_expert]         expert id -> slot (n_phys when not resident)
-// and, in a host buffer, the same table (src[3] of the host MUL_MAT_ID) plus the routing that the
-// last graph observed. A layer is computed twice, exactly split: the host chain skips resident
-// experts (their rows are zero), the device chain runs on the slots (misses hit the zero slot),
-// and the two down outputs are summed before the routing weights are applied.
-//
-// State changes only in llama_moe_cache_after_ubatch(), right after a ubatch's graph, with no graph
-// in flight. The misses of step t are known then; their uploads go to free (staging) slots while
-// step t+1 runs, and become resident after step t+1 (so for step t+2), evicting the least
-// recently used resident. A graph never reads a slot being written, residents keep serving while
-// uploads are in flight, and the hit/miss sequence is a deterministic function of the routing.
+// When state changes (each tier's header states its own rules):
+// - the VRAM tier's tables, slots and residency: only in llama_moe_cache_after_ubatch(), with no graph in
+//   flight (llama-moe-vram.h); its warm-up count op writes counters during compute;
+// - the stream tier's LRU: inside the graph, in the op before each streamed layer's MUL_MAT_IDs, which
+//   admits, evicts and starts the reads the MUL_MAT_IDs then wait for (llama-moe-stream.h);
+// - the stream tier's auto budget: when a context is created or freed (on_context_init, on_context_free);
+// - the setters (slots, sync, admit window, warm-up, upload budget, stream budget): between generations
+//   only; while a graph is computed they return LLAMA_MOE_ERR_BUSY.
 
 #include "llama-moe.h"
 

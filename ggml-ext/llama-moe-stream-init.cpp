@@ -373,7 +373,7 @@ static int32_t llama_moe_stream_check(const llama_model * model, int32_t budget_
         LLAMA_LOG_ERROR("llama_moe_stream_init: moe-stream: no model\n");
         return -1;
     }
-    if ((budget_mib < 0 && !is_auto) || (floor_mib < 0 && floor_mib != LLAMA_MOE_STREAM_FLOOR_AUTO) || ceil_mib < 0 || io_threads < 1 || io_threads > 64 || n_ubatch < 1) {
+    if ((budget_mib < 0 && !is_auto) || (floor_mib < 0 && floor_mib != LLAMA_MOE_STREAM_FLOOR_AUTO) || ceil_mib < 0 || io_threads < 1 || io_threads > LLAMA_MOE_STREAM_IO_THREADS_MAX || n_ubatch < 1) {
         LLAMA_LOG_ERROR("llama_moe_stream_init: moe-stream: budget (%d MiB), floor (%d MiB; -1 = auto) and ceiling (%d MiB) must be >= 0, io threads (%d) "
                 "1 .. 64 and the ubatch (%d) >= 1\n", budget_mib, floor_mib, ceil_mib, io_threads, n_ubatch);
         return -1;

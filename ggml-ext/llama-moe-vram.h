@@ -8,6 +8,21 @@
 // Must not hold: sizing and allocation (llama-moe-vram-init.cpp), graph building
 // (llama-moe-graph.cpp), file reads (llama-moe-source.h) or the policy itself
 // (llama-moe-residency.h).
+//
+// How a cached layer is computed: for every host-resident MoE layer (experts on the CPU, router on
+// a device) the model owns companion tensors in the router's buffer type:
+//   up/gate/down slots  [ne0, ne1, n_phys + 1]    n_phys = slots + staging; the last is all zeros
+//   dev_table           I32 [1, n_expert]         expert id -> slot (n_phys when not resident)
+// and, in a host buffer, the same table (src[3] of the host MUL_MAT_ID) plus the routing that the
+// last graph observed. A layer is computed twice, exactly split: the host chain skips resident
+// experts (their rows are zero), the device chain runs on the slots (misses hit the zero slot),
+// and the two down outputs are summed before the routing weights are applied.
+//
+// The tier's state changes only in llama_moe_cache_after_ubatch(), right after a ubatch's graph, with
+// no graph in flight. The misses of step t are known then; their uploads go to free (staging) slots
+// while step t+1 runs, and become resident after step t+1 (so for step t+2), evicting the least
+// recently used resident. A graph never reads a slot being written, residents keep serving while
+// uploads are in flight, and the hit/miss sequence is a deterministic function of the routing.
 
 #include "llama-moe-base.h"
 #include "llama-moe-links.h"

@@ -202,6 +202,7 @@ struct llama_moe_stream_stats {
 #define LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT   1536   // the largest auto floor, MiB (the BigMoeOnEdge seed's fixed default)
 #define LLAMA_MOE_STREAM_FLOOR_MIN_MIB       64     // the smallest auto floor, and what auto leaves free at the least, MiB
 #define LLAMA_MOE_STREAM_IO_THREADS_DEFAULT  4      // read lanes
+#define LLAMA_MOE_STREAM_IO_THREADS_MAX      64     // the most read lanes it takes
 #define LLAMA_MOE_STREAM_ERR_BUDGET          (-3)   // init: a budget under the mechanical minimum (a load error)
 
 // Turns the stream tier on: the experts of every host-resident MoE layer (all of them on a CPU-only

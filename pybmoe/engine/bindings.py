@@ -49,15 +49,9 @@ LLAMA_MOE_DENSE_MMAP = 0                   # the dense weights stay memory-mappe
 LLAMA_MOE_DENSE_WARM = 1                   # one sequential buffered read at load
 LLAMA_MOE_DENSE_ANON = 2                   # read into anonymous memory
 LLAMA_MOE_DENSE_AUTO = 3                   # anon or mmap, picked at load
-# What llama-moe.h states in its comments only, with no name there (tests/build/test_abi.py reads each
-# from the comments):
-#: a failed call: a bad value, the tier off, a start that failed ("-1 for a bad value or no cache")
-MOE_ERR_FAILED = -1
-#: a setter called while a graph is being computed, i.e. during a generation ("-2 while a graph is
-#: being computed")
-MOE_ERR_BUSY = -2
-#: The stream tier's read lanes the engine takes at the most ("io_threads read lanes (1 .. 64)").
-STREAM_IO_THREADS_MAX = 64
+LLAMA_MOE_ERR = -1                         # refused or failed; the log line before says why
+LLAMA_MOE_ERR_BUSY = -2                    # a setter called while a graph is computed (during a generation)
+LLAMA_MOE_STREAM_IO_THREADS_MAX = 64       # the most read lanes the stream tier takes
 #: ``dense_weights=`` values and their llama-moe.h modes (``--dense-weights``)
 DENSE_POLICIES = {"mmap": LLAMA_MOE_DENSE_MMAP, "warm": LLAMA_MOE_DENSE_WARM, "anon": LLAMA_MOE_DENSE_ANON,
                   "auto": LLAMA_MOE_DENSE_AUTO}
@@ -889,7 +883,7 @@ class Llama(llama_cpp.Llama):
             stream_mb=_check_count("moe_stream_cache_mb", moe_stream_cache_mb, auto=LLAMA_MOE_STREAM_AUTO),
             stream_floor=_check_count("moe_stream_floor_mb", moe_stream_floor_mb, auto=LLAMA_MOE_STREAM_FLOOR_AUTO),
             stream_ceil=_check_count("moe_stream_ceil_mb", moe_stream_ceil_mb),
-            io_threads=_check_count("moe_stream_io_threads", moe_stream_io_threads, lo=1, hi=STREAM_IO_THREADS_MAX),
+            io_threads=_check_count("moe_stream_io_threads", moe_stream_io_threads, lo=1, hi=LLAMA_MOE_STREAM_IO_THREADS_MAX),
             dense_mode=DENSE_POLICIES[dense_weights],
             trace_path=_check_path("moe_trace", moe_trace, must_exist=False),
             replay_path=_check_path("moe_route_replay", moe_route_replay, must_exist=True),
@@ -1045,7 +1039,7 @@ class Llama(llama_cpp.Llama):
                              f"(more, up to {COUNT_MAX}, is clamped to every expert's bytes)")
         n = budget_mb
         rc = _llama_lib().llama_model_moe_stream_set_budget_mib(self._model.model, n)
-        if rc == MOE_ERR_BUSY:
+        if rc == LLAMA_MOE_ERR_BUSY:
             raise RuntimeError("set_moe_stream_budget_mb was called during a generation; call it between generations")
         if rc < 0:
             raise ValueError(f"budget_mb={budget_mb} was refused (see the log)")
@@ -1065,7 +1059,7 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"n_slots={n_slots} is out of range; accepted: 0 .. {cap} (the slots allocated at load)")
         n = _check_count("n_slots", n_slots, hi=cap, what="(the slots allocated at load)")
         rc = _llama_lib().llama_model_moe_cache_set_slots(self._model.model, n)
-        if rc == MOE_ERR_BUSY:
+        if rc == LLAMA_MOE_ERR_BUSY:
             raise RuntimeError("set_moe_cache_slots was called during a generation; call it between generations")
         if rc < 0:
             raise ValueError(f"n_slots={n_slots} was refused; accepted: 0 .. {cap} (the slots allocated at load)")

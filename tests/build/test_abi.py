@@ -215,20 +215,20 @@ def _comments(header: Path) -> str:
     return " ".join((a or b).strip() for a, b in parts)
 
 
-def test_the_results_llama_moe_h_states_in_words_are_the_bindings():
-    """The results the header gives in its comments only (no name there yet): a setter's value while a
-    graph is being computed, and the -1 of a failed call; and the read lanes' range. If the header names
-    them (a #define or an enum), this fails: the bindings then take its names, as above."""
+def test_the_results_llama_moe_h_states_in_words_are_its_names():
+    """The header's comments that state a result in words (a setter's value while a graph is being
+    computed, the -1 of a failed call, the read lanes' range) agree with the names it gives them
+    (LLAMA_MOE_ERR_BUSY, LLAMA_MOE_ERR, LLAMA_MOE_STREAM_IO_THREADS_MAX), which the bindings copy."""
     _llama_cpp()
     from pybmoe.engine import bindings
     said = _comments(LLAMA_MOE_H)
     busy = re.findall(r"(-?\d+) while a graph is being computed", said)
-    assert len(busy) >= 6 and set(map(int, busy)) == {bindings.MOE_ERR_BUSY}, busy
+    assert len(busy) >= 6 and set(map(int, busy)) == {bindings.LLAMA_MOE_ERR_BUSY}, busy
     failed = re.findall(r"(?:Returns|returns)[^.;]*?(-\d+) "
                         r"(?:for a bad value|when the (?:cache|tier) is off|\(logged\))", said)
-    assert len(failed) >= 6 and set(map(int, failed)) == {bindings.MOE_ERR_FAILED}, failed
+    assert len(failed) >= 6 and set(map(int, failed)) == {bindings.LLAMA_MOE_ERR}, failed
     lanes = re.findall(r"io_threads read lanes \(1 \.\. (\d+)\)", said)
-    assert lanes == [str(bindings.STREAM_IO_THREADS_MAX)], lanes
+    assert lanes == [str(bindings.LLAMA_MOE_STREAM_IO_THREADS_MAX)], lanes
 
 
 def test_every_copy_of_a_ggml_constant_equals_the_pinned_headers():

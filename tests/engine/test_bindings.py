@@ -40,9 +40,9 @@ def test_bad_arguments_raise_value_error(model_q8, bad):
                                     # issue 43, item 5: the lanes' real range (it said 0 .. 2147483647)
                                     ({"moe_stream_io_threads": -3},
                                      r"^moe_stream_io_threads=-3 is invalid; accepted: "
-                                     rf"an integer in 1 \.\. {bindings.STREAM_IO_THREADS_MAX}$"),
-                                    ({"moe_stream_io_threads": bindings.STREAM_IO_THREADS_MAX + 1},
-                                     rf"accepted: an integer in 1 \.\. {bindings.STREAM_IO_THREADS_MAX}$"),
+                                     rf"an integer in 1 \.\. {bindings.LLAMA_MOE_STREAM_IO_THREADS_MAX}$"),
+                                    ({"moe_stream_io_threads": bindings.LLAMA_MOE_STREAM_IO_THREADS_MAX + 1},
+                                     rf"accepted: an integer in 1 \.\. {bindings.LLAMA_MOE_STREAM_IO_THREADS_MAX}$"),
                                     ({"dense_weights": "ram"}, r"dense_weights='ram' is invalid; accepted: mmap, warm, "
                                                                r"anon, auto")])
 def test_stream_values_out_of_range_name_the_range(model_q8, kw, msg):

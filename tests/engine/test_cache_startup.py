@@ -48,7 +48,7 @@ def test_a_failed_start_frees_the_slots_it_allocated(rpc, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     fields = r.stdout.split()
     rc, before, after = int(fields[1]), float(fields[3]), float(fields[5])
-    assert rc == bindings.MOE_ERR_FAILED
+    assert rc == bindings.LLAMA_MOE_ERR
     assert f"moe-cache: cannot open {copy}" in r.stderr and "are freed" in r.stderr, r.stderr[-3000:]
     # 32 slots (+1 zero) x 4 layers x 0.80 MiB were allocated and cleared on the device (~105 MiB)
     freed = float(r.stderr.split("MiB it had allocated are freed")[0].rsplit("(", 1)[1])

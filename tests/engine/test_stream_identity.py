@@ -457,6 +457,6 @@ def test_a_file_unreadable_after_load_turns_the_tier_off_loudly_naming_it(tmp_pa
         "print('rc', rc, flush=True)\n")
     r = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"rc {bindings.MOE_ERR_FAILED}" in r.stdout, r.stdout
+    assert f"rc {bindings.LLAMA_MOE_ERR}" in r.stdout, r.stdout
     assert f"moe-stream: cannot open {copy}" in r.stderr and "No such file or directory" in r.stderr
     assert "the stream tier is OFF" in r.stderr
