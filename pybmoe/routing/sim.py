@@ -155,7 +155,7 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
     try:
         lib = ctypes.CDLL(str(p))
         lib.pybmoe_simcore_version.restype = ctypes.c_int32
-        if lib.pybmoe_simcore_version() != 5:
+        if lib.pybmoe_simcore_version() != 6:
             return False
     except (OSError, AttributeError):
         return False
@@ -172,6 +172,12 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
     lib.pybmoe_sim_global.argtypes = [ctypes.c_int32, ctypes.c_int64, i64p, u8p, i32p, ctypes.c_int32,
                                       ctypes.c_int64, ctypes.c_int32, ctypes.c_int64, i8p, i64p]
     lib.pybmoe_sim_global.restype = ctypes.c_int32
+    lib.pybmoe_sim_pool.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, i64p, u8p, i32p, i32p,
+                                    ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                                    ctypes.c_int64, i8p, i64p]
+    lib.pybmoe_sim_pool.restype = ctypes.c_int32
+    lib.pybmoe_sim_crf_decay.argtypes = [ctypes.c_int32]
+    lib.pybmoe_sim_crf_decay.restype = ctypes.c_uint32
     _core = lib
     return True
 
