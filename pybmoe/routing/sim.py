@@ -470,8 +470,8 @@ def _pool_py(start: np.ndarray, flags: np.ndarray, entry: np.ndarray, tokens: np
         # the victim is the least of this key
         if key == 0:
             return (used[y], y)
-        from fractions import Fraction
-        return (-Fraction(clock - last[y], 1 << cls[y]), used[y], y)
+        # the largest age / 2**class first: age * 2**(CRF_CLASSES - 1 - class) orders the same, in integers
+        return (-((clock - last[y]) << (CRF_CLASSES - 1 - cls[y])), used[y], y)
 
     def full_for(x: int) -> bool:
         return len(R) >= capacity or (cap > 0 and cnt.get(x // n_expert, 0) >= cap)
