@@ -946,7 +946,9 @@ int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_
 //     order of first appearance, each evicting a victim the step does not need (none: bypassed); a repeated
 //     lookup of an admitted entry hits; recency per lookup (used[x] = the event index).
 // Victims, among the candidates the guard allows (an entry of the incoming entry's own layer, or of a layer
-// holding more than `floor` entries; only the own layer's when that layer holds `cap`, 0 = no cap):
+// holding more than `floor` entries; only the own layer's when that layer holds `cap`, 0 = no cap; when there
+// is none and the incoming entry's layer holds fewer than `floor`, an entry of a layer holding more than
+// `floor`, the protection notwithstanding):
 //   lru (0): the least (used, entry);
 //   classlru (1): the largest age / 2^class, age = clock - the clock at its last use (tokens), class =
 //     floor(log2(CRF)) at its last use, at most SIM_CRF_CLASSES - 1; CRF = uses decayed with a half-life of
@@ -1056,6 +1058,16 @@ static int32_t pool_victim(const pool_t * p, int32_t x, int sync, int64_t guard_
         }
         if (best < 0 || pool_before(p, y, best)) {
             best = y;
+        }
+    }
+    if (best < 0 && p->cnt[lx] < p->floor) {
+        // under its floor: a layer over its floor gives, even an entry selected at the last step
+        for (int64_t j = 0; j < p->n_res; ++j) {
+            const int32_t y  = p->rs[j];
+            const int32_t ly = y / p->n_expert;
+            if (ly != lx && p->cnt[ly] > p->floor && (best < 0 || pool_before(p, y, best))) {
+                best = y;
+            }
         }
     }
     return best;

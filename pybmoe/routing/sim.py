@@ -76,10 +76,12 @@ from . import trace as tr
 POLICIES = ("layer-lru", "pool", "pool-global", "pool-classlru", "classlru", "global-lru", "global-lru-scan",
             "fifo", "lfu", "belady", "static")
 #: The guards of the pool (``guard=``): which entries a miss may evict (docs/expert-cache.md, "The pool").
-#: ``none``: any; ``floor-k``: an entry of its own layer, or of a layer holding more than
-#: ``min(top_k, budget // n_layer)`` entries; ``floor-share``: likewise above ``budget // n_layer``;
+#: ``none``: any; ``floor-half-k`` (the default): an entry of its own layer, or of a layer holding more
+#: than ``min(top_k, budget // n_layer) // 2`` entries (the floor), and a layer under its floor takes
+#: one from a layer over it even if that entry was selected at the last step; ``floor-k`` and
+#: ``floor-share``: likewise with a floor of ``min(top_k, budget // n_layer)`` and ``budget // n_layer``;
 #: ``partition``: only its own layer's, each layer holding ``budget // n_layer`` (per-layer slots).
-POOL_GUARDS = ("none", "floor-k", "floor-share", "partition")
+POOL_GUARDS = ("none", "floor-half-k", "floor-k", "floor-share", "partition")
 #: When a miss becomes resident (``timing=``): ``sync``, the engine's (a miss at step s is resident
 #: from s + 2; uploads settle after each ubatch); ``instant``, upstream's (uploaded before the layer runs).
 POOL_TIMINGS = ("sync", "instant")
@@ -91,8 +93,8 @@ POOL_KEYS = ("lru", "classlru")
 #: guard (one LRU over all (layer, expert) entries), ``pool-classlru`` the pool with ClassLRU's order,
 #: ``classlru`` upstream llama.cpp's cache since b12170 as far as its rule is published (one bank,
 #: instant uploads, no guard).
-POOL_POLICIES = {"pool": ("sync", "lru", "floor-k"), "pool-global": ("sync", "lru", "none"),
-                 "pool-classlru": ("sync", "classlru", "floor-k"), "classlru": ("instant", "classlru", "none")}
+POOL_POLICIES = {"pool": ("sync", "lru", "floor-half-k"), "pool-global": ("sync", "lru", "none"),
+                 "pool-classlru": ("sync", "classlru", "floor-half-k"), "classlru": ("instant", "classlru", "none")}
 #: The stream tier's policy at its defaults (``--moe-stream-cache-mb``; ``PYBMOE_MOE_STREAM_POLICY``
 #: selects ``global-lru`` instead).
 STREAM_POLICY = "global-lru-scan"
@@ -488,6 +490,11 @@ def _pool_py(start: np.ndarray, flags: np.ndarray, entry: np.ndarray, tokens: np
                 continue
             if best is None or order(y) < order(best):
                 best = y
+        if best is None and cnt.get(lx, 0) < floor:     # under its floor: an over-floor layer gives, even
+            for y in R:                                   # an entry selected at the last step
+                ly = y // n_expert
+                if ly != lx and cnt[ly] > floor and (best is None or order(y) < order(best)):
+                    best = y
         return best
 
     def evict(v: int) -> None:
@@ -918,14 +925,17 @@ def guard_params(guard: str, budget_entries: int, n_layer: int, top_k: int, n_ex
     """The guard as ``(floor, cap)`` in entries per layer (0: none) for a pool of ``budget_entries``.
 
     A miss of layer l may evict an entry of layer l, or of a layer holding more than ``floor``
-    entries; a layer holding ``cap`` entries evicts its own. ``floor-k``: ``floor = min(top_k,
-    budget_entries // n_layer)``, so under the cache cycle every layer keeps its share and above it
-    its top-k; ``floor-share``: ``floor = budget_entries // n_layer``; ``partition``: ``cap =
-    min(budget_entries // n_layer, n_expert)`` (per-layer slots); ``none``: ``(0, 0)``. Raises
-    :class:`PolicyError` for an unknown guard."""
+    entries (and, when layer l holds fewer than ``floor``, an over-floor layer's entry selected at the
+    last step); a layer holding ``cap`` entries evicts its own. With ``share = budget_entries //
+    n_layer``: ``floor-half-k``: ``floor = min(top_k, share) // 2``; ``floor-k``: ``floor =
+    min(top_k, share)``, so under the cache cycle every layer keeps its share and above it its
+    top-k; ``floor-share``: ``floor = share``; ``partition``: ``cap = min(share, n_expert)``
+    (per-layer slots); ``none``: ``(0, 0)``. Raises :class:`PolicyError` for an unknown guard."""
     share = budget_entries // n_layer if n_layer else 0
     if guard == "none":
         return 0, 0
+    if guard == "floor-half-k":
+        return min(top_k, share) // 2, 0
     if guard == "floor-k":
         return min(top_k, share), 0
     if guard == "floor-share":
