@@ -945,11 +945,12 @@ def guard_params(guard: str, budget_entries: int, n_layer: int, top_k: int, n_ex
     raise PolicyError(f"guard {guard!r}; accepted: {', '.join(POOL_GUARDS)}")
 
 
-def pool_staging(budget_entries: int, n_layer: int, n_expert: int, top_k: int, max_batch: int = 1) -> int:
-    """The pool's staging slots (sync timing): uploads in flight beyond its free slots,
-    ``min(n_layer * min(top_k * max_batch, n_expert), n_layer * n_expert - budget_entries)``: enough
-    for every distinct miss of a ubatch, so that every miss is scheduled."""
-    return max(0, min(n_layer * min(top_k * max_batch, n_expert), n_layer * n_expert - budget_entries))
+def pool_staging(budget_entries: int, n_layer: int, n_expert: int, top_k: int) -> int:
+    """The pool's staging slots (sync timing): uploads in flight beyond its free slots, the sum of
+    the per-layer staging of today's slots without an insert cap, ``min(n_layer * min(top_k,
+    n_expert), n_layer * n_expert - budget_entries)``. A one-token step's misses always fit (at most
+    top-k per layer); a larger step's are scheduled in order of first appearance until they do not."""
+    return max(0, min(n_layer * min(top_k, n_expert), n_layer * n_expert - budget_entries))
 
 
 def resolve_budget(*, n_layer: int, n_expert: int, slots_per_layer: int | None = None,
@@ -1178,7 +1179,7 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
                 entries = cap * rp.n_layer
             units = rp.pool_units(max_batch, None if sync else phase)
             cev = None if not sync or phase == "all" else rp.mask(phase)[units.rows]
-            stage = pool_staging(entries, rp.n_layer, rp.n_expert, rp.top_k, max_batch) if sync else 0
+            stage = pool_staging(entries, rp.n_layer, rp.n_expert, rp.top_k) if sync else 0
             t_code, k_code = POOL_TIMINGS.index(timing), POOL_KEYS.index(key)
 
             def fn(start, flags, ids, out, counters, tokens):
