@@ -27,7 +27,7 @@ Writes ``OUT/hit-rates.csv`` (one row per trace, label and budget; ``min_layer_h
 rate of the worst layer), ``OUT/acceptance.csv`` (per trace: the worst deficit of each pool against
 the better of per-layer and global LRU at the same timing, its worst layer against per-layer slots'
 worst layer, and ClassLRU's miss reduction against LRU, min / max over the budgets from the cycle) and
-``OUT/hit-rates.png``. Usage: ``python tools/bench-vram-pool.py [--real-traces DIR] [--out DIR]``.
+``OUT/hit-rates.png`` and ``OUT/vs-per-layer.png``. Usage: ``python tools/bench-vram-pool.py [--real-traces DIR] [--out DIR]``.
 """
 from __future__ import annotations
 
@@ -183,6 +183,41 @@ def plot(df: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_gain(df: pd.DataFrame, path: Path) -> None:
+    """Points of hit rate over per-layer slots (``layer-lru``) at the engine's timing, per trace."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    w = df.pivot_table(index=["trace", "slots_per_layer"], columns="label", values="hit_rate", sort=False)
+    names = list(dict.fromkeys(df["trace"]))
+    cols = 4 if len(names) > 4 else len(names)
+    rows = (len(names) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.3 * cols, 3.3 * rows), dpi=110, squeeze=False)
+    style = {"pool": ("C3", "D"), "pool-global": ("C1", "s"), "pool[floor-k]": ("C4", "v"),
+             "pool-classlru": ("C2", "^")}
+    for ax, name in zip(axes.ravel(), names):
+        g = w.loc[name].sort_index()
+        for label, (c, mk) in style.items():
+            ax.plot(g.index, 100 * (g[label] - g["layer-lru"]), color=c, marker=mk, markersize=3, linewidth=1.2,
+                    label=label)
+        ax.axhline(0, color="C0", linewidth=1)
+        ax.axhline(-1, color="0.6", linewidth=0.8, linestyle="--")
+        k = int(df[df["trace"] == name]["top_k"].iloc[0])
+        ax.axvline(k, color="0.5", linewidth=0.8)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("slots per layer", fontsize=8)
+        ax.set_ylabel("points over per-layer slots", fontsize=8)
+        ax.grid(True, alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in axes.ravel()[len(names):]:
+        ax.axis("off")
+    axes.ravel()[0].legend(fontsize=7)
+    fig.suptitle("The engine's timing: hit rate minus per-layer slots' (layer-lru); grey: the cycle", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--real-traces", type=Path, default=REPO.parent / "shared" / "data" / "real-traces",
@@ -204,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     acc = acceptance(df)
     acc.to_csv(a.out / "acceptance.csv", index=False, float_format="%.3f")
     plot(df, a.out / "hit-rates.png")
+    plot_gain(df, a.out / "vs-per-layer.png")
     with pd.option_context("display.width", 250, "display.max_columns", 40):
         print(acc.T.to_string(float_format=lambda x: f"{x:.2f}"))
     return 0

@@ -79,7 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Replay expert-cache policies over a routing trace (engine CSV, Parquet, granite JSON or "
                     "JSONL route log). Each workload starts cold. Give exactly one kind of budget; each takes "
                     "one value, a list A,B,C or a range START:STOP[:STEP].",
-        epilog="Policies: layer-lru (the VRAM tier's policy, exactly: lag, staging, insert cap), global-lru-scan "
+        epilog="Policies: layer-lru (the VRAM tier's policy, exactly: lag, staging, insert cap), pool (the VRAM "
+               "tier's pool: one bank of --mib per device over all layers, the engine's lag, a per-layer floor of "
+               "half the top-k), pool-global (no floor), pool-classlru (ClassLRU's victim), classlru (upstream's "
+               "cache since b12170 as published), global-lru-scan "
                "(the disk tier's, exactly: global LRU whose scans, steps too big for a pass to fit, enter at the "
                "least recent end), global-lru, fifo, lfu, belady (oracle), static (in-sample hot set). "
                "See docs/traces.md.")

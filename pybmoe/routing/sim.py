@@ -36,6 +36,23 @@ Policies (:data:`POLICIES`; the rules are spelled out in ``docs/traces.md``):
     (``lend_entries``, :func:`simulate`): a step that wants less than half of its layer holds up to
     ``budget_entries`` plus the window; one that wants half or more first evicts down to
     ``budget_entries``.
+``pool``, ``pool-global``, ``pool-classlru``, ``classlru``
+    One bank of ``budget_entries`` slots over the (layer, expert) entries of all layers (the VRAM
+    tier's pool per device, docs/expert-cache.md, "The pool"). ``pool`` is its default structure,
+    exactly as the engine is to run it: the engine's timing (a served ubatch's lookups see the
+    residents as published before it; right after each ubatch the uploads scheduled after the
+    previous one settle, a full bank evicting argmin ``(used step, layer, expert)`` among the
+    residents not selected at the last served step, then the ubatch's distinct misses are
+    scheduled, so a miss at step s is resident from s + 2), with the ``floor-half-k`` guard (a miss
+    may evict only its own layer's entries or those of a layer holding more than ``min(top_k,
+    budget // n_layer) // 2``; a layer under that floor takes one from a layer over it even if it
+    was selected at the last step). ``pool-global``: the same with no guard; ``pool-classlru``: the
+    pool with ClassLRU's victim (upstream llama.cpp b12170: the largest age / 2**class, see
+    :data:`CRF_HALF_LIFE`); ``classlru``: upstream's cache as published (one bank, no guard,
+    ClassLRU, misses uploaded before the layer runs: the ``instant`` timing, admitted per layer step
+    as the global policies). ``guard=`` and ``timing=`` (:data:`POOL_GUARDS`,
+    :data:`POOL_TIMINGS`) replay the other variants; unguarded and instant, the pool is
+    ``global-lru``; partitioned (one-token steps), it is ``layer-lru``.
 ``static``
     The ``budget_entries`` most looked-up entries of each workload (in the replayed phase,
     learned in sample: an upper bound for static pinning) are pinned from the start; nothing else
@@ -434,6 +451,9 @@ def _pool_py(start: np.ndarray, flags: np.ndarray, entry: np.ndarray, tokens: np
              capacity: int, timing: int, key: int, floor: int, cap: int, staging: int, out: np.ndarray,
              counters: np.ndarray) -> None:
     """The pool, written as docs/expert-cache.md ("The pool") states it (see pybmoe_sim_pool).
+
+    It stays beside the compiled core as the rule written plainly: the tests' oracle for the core
+    (tests/routing/test_pool.py) and the replay where no core is built, as the other twins.
 
     Units are layer steps (one layer's lookups in one ubatch) in forward order, entries ``layer *
     n_expert + expert``; ``_STEP`` marks the first unit of a ubatch, ``tokens`` its token count (the
