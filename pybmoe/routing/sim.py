@@ -1016,12 +1016,12 @@ class SimResult:
     """One replay of one policy at one budget.
 
     ``predicted`` is ``int8 [rows of trace.frame]`` in the frame's row order: 1 hit, 0 miss,
-    -1 not served (layer-lru: a ubatch the engine's cache does not serve) or not replayed (a row
+    -1 not served (layer-lru, the pool: a ubatch the engine's cache does not serve) or not replayed (a row
     outside ``phase`` for the other policies). ``counted`` (bool, same shape) marks the rows of
     ``phase``; they are the ``accesses`` (a counted -1 is a miss). ``summary`` has one row per
     workload, columns :data:`SUMMARY_COLUMNS`: ``uploads`` and ``wasted`` are in experts (one
     (layer, expert) slice each; ``wasted``: uploads dropped or evicted before any hit, layer-lru
-    only), ``tokens`` in tokens. ``admit`` is the admission rule, ``admit_window`` its window in
+    and the pool policies with the engine's timing only), ``tokens`` in tokens. ``admit`` is the admission rule, ``admit_window`` its window in
     steps (``second-miss`` only).
     """
 
