@@ -258,7 +258,7 @@ def test_core_equals_the_python_rule(core):
                         pd.testing.assert_frame_equal(a.summary, b.summary)
 
 
-def test_default_pool_on_granite_beats_per_layer_slots_at_the_cycle(core):
+def test_default_pool_on_granite_holds_per_layer_slots_and_never_collapses(core):
     """Granite decode, 8 slots per layer (the cycle) and 4 (under it): the default pool is within a
     point of per-layer slots and far from the unguarded instant LRU's collapse (0 % under the cycle,
     docs/traces.md); its worst layer keeps hits. Values: docs/benchmarks/vram-pool-sim/hit-rates.csv."""
