@@ -36,6 +36,23 @@ def _values(text: str, cast: Callable[[str], float]) -> list[float]:
     return out
 
 
+def _mib(text: str, flag: str, *, positive: bool = False, total: float | None = None) -> list[float]:
+    """``--mib`` / ``--expert-mib`` values (one, ``A,B,C`` or ``START:STOP[:STEP]``): finite MiB, >= 0
+    (``positive``: > 0). Raises :class:`sim.BudgetError` in one line naming the accepted range
+    (with ``total``, the MiB that hold every expert of the trace)."""
+    lo = "> 0" if positive else ">= 0"
+    hold = f"; {total:.6g} MiB hold every expert of the trace" if total else ""
+    accepted = f"accepted: a finite number of MiB {lo}{' per device' if flag == '--mib' else ''}{hold}"
+    try:
+        values = _values(text, float)
+    except ValueError:
+        raise sim.BudgetError(f"{flag} {text}; {accepted}") from None
+    for v in values:
+        if not math.isfinite(v) or v < 0 or (positive and v == 0):
+            raise sim.BudgetError(f"{flag} {text}; {accepted}")
+    return values
+
+
 def _parse_policies(text: str) -> list[str]:
     ps = list(sim.POLICIES) if text == "all" else [p.strip() for p in text.split(",") if p.strip()]
     for p in ps:
@@ -62,7 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Replay expert-cache policies over a routing trace (engine CSV, Parquet, granite JSON or "
                     "JSONL route log). Each workload starts cold. Give exactly one kind of budget; each takes "
                     "one value, a list A,B,C or a range START:STOP[:STEP].",
-        epilog="Policies: layer-lru (the VRAM tier's policy, exactly: lag, staging, insert cap), global-lru-scan "
+        epilog="Policies: layer-lru (the VRAM tier's policy, exactly: lag, staging, insert cap), pool (the VRAM "
+               "tier's pool: one bank of --mib per device over all layers, the engine's lag, a per-layer floor of "
+               "half the top-k), pool-global (no floor), pool-classlru (ClassLRU's victim), classlru (upstream's "
+               "cache since b12170 as published), global-lru-scan "
                "(the disk tier's, exactly: global LRU whose scans, steps too big for a pass to fit, enter at the "
                "least recent end), global-lru, fifo, lfu, belady (oracle), static (in-sample hot set). "
                "See docs/traces.md.")
@@ -73,8 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--slots-per-layer", metavar="N", help="slots per cached layer")
     b.add_argument("--budget-entries", metavar="N", help="(layer, expert) entries in all")
     b.add_argument("--fraction", metavar="F", help="fraction 0..1 of all (layer, expert) entries")
-    b.add_argument("--mib", metavar="M", help="MiB of expert bytes (needs -m MODEL.gguf)")
+    b.add_argument("--mib", metavar="M", help="MiB of expert slots per device: the pool's bank (per-layer slots "
+                                             "get M / n_layer each); needs -m MODEL.gguf or --expert-mib")
     ap.add_argument("-m", "--model", type=Path, help="GGUF model whose expert size converts --mib")
+    ap.add_argument("--expert-mib", metavar="X", default=None,
+                    help="MiB of one expert (up + gate + down), instead of -m, to convert --mib")
     ap.add_argument("--phase", choices=tr.PHASE_CHOICES, default="decode", help="lookups counted (default %(default)s)")
     ap.add_argument("--inserts", type=int, default=None,
                     help="layer-lru upload cap per layer per step, 0 = unlimited (default: the trace header's, else 0)")
@@ -135,13 +158,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not given:
             raise sim.BudgetError("no budget; accepted: one of --slots-per-layer, --budget-entries, --fraction, --mib")
         (kind, text), = given.items()
-        cast = float if kind in ("fraction", "mib") else int
-        values = _values(text, cast)
         expert_bytes = None
-        if kind == "mib":
-            if a.model is None:
-                raise sim.BudgetError("--mib needs -m MODEL.gguf (for the bytes of one expert)")
+        if a.expert_mib is not None:
+            if a.model is not None:
+                raise sim.BudgetError("give -m MODEL.gguf or --expert-mib, not both; accepted: one of them")
+            expert_bytes = _mib(a.expert_mib, "--expert-mib", positive=True)[0] * 2**20
+        elif kind == "mib" and a.model is not None:
             expert_bytes = sim.gguf_expert_bytes(a.model)[0]
+        if kind == "mib":
+            total = rp.n_entries * expert_bytes / 2**20 if expert_bytes else None
+            values = _mib(text, "--mib", total=total)
+            if expert_bytes is None:
+                raise sim.BudgetError("--mib needs the MiB of one expert; accepted: -m MODEL.gguf or --expert-mib X")
+        else:
+            values = _values(text, float if kind == "fraction" else int)
         policies = _parse_policies(a.policy)
         df = sim.sweep(rp, policies, [(kind, v) for v in values], phase=a.phase, inserts=a.inserts,
                        max_batch=a.max_batch or int(t.meta.extra.get("max_batch", 1)), expert_bytes=expert_bytes,
@@ -151,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"pybmoe simulate: error: {e}", file=err)
         return 2
+    if expert_bytes:
+        df["budget_mib"] = df["budget_entries"] * (expert_bytes / 2**20)    # beside the slots
     if a.output:
         a.output.parent.mkdir(parents=True, exist_ok=True)
         df.to_csv(a.output, index=False)
@@ -162,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
     else:
-        _print_report(rp, df, a.phase)
+        _print_report(rp, df, a.phase, expert_bytes / 2**20 if expert_bytes else None)
     if a.batch_table:
         slot_values = sorted({int(round(s)) for s in df["slots_per_layer"]})
         mpt = sim.misses_per_token(rp, slot_values, [int(x) for x in a.batch_table.split(",")],
@@ -186,20 +218,23 @@ def _table(df: pd.DataFrame) -> str:
     return df.to_string(index=False, float_format=lambda x: f"{x:.3f}", formatters={"slots_per_layer": _slots})
 
 
-def _print_report(rp: sim.Replay, df: pd.DataFrame, phase: str) -> None:
+def _print_report(rp: sim.Replay, df: pd.DataFrame, phase: str, expert_mib: float | None = None) -> None:
     cyc = sim.token_cycle(rp.n_layer, rp.top_k, rp.n_expert)
     print(f"{len(rp.workloads)} workload(s), {rp.n_layer} layers x {rp.n_expert} experts, top-{rp.top_k}; "
           f"token cycle {cyc} entries ({rp.top_k} slots/layer); phase {phase}")
     if (df["admit"] != "always").any():
         print(f"admission: {df['admit'].iloc[0]}, window {df['admit_window'].iloc[0]} steps (layer-lru)")
-    cols = ["workload", "policy", "budget_entries", "slots_per_layer", "accesses", "misses", "hit_rate",
+    mib = ["budget_mib"] if expert_mib else []
+    cols = ["workload", "policy", "budget_entries", *mib, "slots_per_layer", "accesses", "misses", "hit_rate",
             "uploads", "wasted", "reach_tokens"]
     print(_table(df[cols]))
     if len(rp.workloads) > 1:
         p = sim.pooled(df)
         print("\nall workloads:")
-        print(_table(p[["policy", "budget_entries", "slots_per_layer", "accesses", "misses", "hit_rate", "uploads",
-                        "wasted"]]))
+        if mib:
+            p["budget_mib"] = p["budget_entries"] * expert_mib
+        print(_table(p[["policy", "budget_entries", *mib, "slots_per_layer", "accesses", "misses", "hit_rate",
+                        "uploads", "wasted"]]))
     below = df[df["budget_entries"] < cyc]
     if len(below):
         print(f"\nnote: budgets below the token cycle ({cyc} entries): a global LRU evicts what the next token "

@@ -8,6 +8,8 @@
 //                                                 and an admission rule (always / second miss)
 //   pybmoe_sim_layer_lru  (the same with admission always and two counters, for older callers)
 //   pybmoe_sim_global     <->  sim._global_py      global-lru(-scan), fifo, lfu, belady over (layer, expert)
+//   pybmoe_sim_pool       <->  sim._pool_py        the VRAM tier's pool: one bank over (layer, expert) entries,
+//                                                 sync or instant, LRU or ClassLRU, a per-layer guard
 //
 // The event stream is cut into units: a unit is one layer's lookups in one ubatch (all its
 // tokens, router order), `unit_start[u] .. unit_start[u + 1]` in the event arrays. A unit flagged
@@ -28,10 +30,11 @@ enum { SIM_GLOBAL_LRU = 0, SIM_FIFO = 1, SIM_LFU = 2, SIM_BELADY = 3, SIM_GLOBAL
 enum { SIM_OK = 0, SIM_ENOMEM = -1, SIM_EINVAL = -2 };
 
 int32_t pybmoe_simcore_version(void) {
-    return 5; // 2: global-lru takes a step's lookups in router rank order (recency per lookup)
+    return 6; // 2: global-lru takes a step's lookups in router rank order (recency per lookup)
               // 3: layer-lru's admission rule (pybmoe_sim_layer_lru_admit) and wasted uploads
               // 4: global-lru-scan, and pybmoe_sim_global's n_layer
               // 5: pybmoe_sim_global's lend (the stream tier's prefetch window, lent to decode)
+              // 6: pybmoe_sim_pool (the VRAM tier's pool) and pybmoe_sim_crf_decay
 }
 
 // ---------------------------------------------------------------- indexed min-heap of ids
@@ -927,4 +930,325 @@ int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_
         case SIM_LFU:        return sim_lfu(n_units, st, fl, entry, n_entries, capacity, out, counters);
         default:             return sim_belady(n_units, st, fl, entry, n_entries, capacity, out, counters);
     }
+}
+
+// ---------------------------------------------------------------- the pool (docs/expert-cache.md, "The pool")
+//
+// One bank of `capacity` slots over (layer, expert) entries, entry = layer * n_expert + expert. Units are layer
+// steps in forward order; SIM_STEP marks the first unit of a ubatch, unit_tokens[u] its tokens (the ClassLRU
+// clock). Two timings:
+//   sync (0), the engine's: a served ubatch's lookups see the residents as they were before it (used[x] = the
+//     step); right after every ubatch, served or not, the uploads scheduled after the previous one settle in
+//     order (a full bank evicts a victim among the residents not selected at the last served step, or drops the
+//     upload when there is none), then the ubatch's distinct misses (first appearance, layer-major) are
+//     scheduled while in flight < staging + free slots. A miss at step s is resident from s + 2.
+//   instant (1), upstream's: each layer step's lookups are answered, then its distinct misses are admitted in
+//     order of first appearance, each evicting a victim the step does not need (none: bypassed); a repeated
+//     lookup of an admitted entry hits; recency per lookup (used[x] = the event index).
+// Victims, among the candidates the guard allows (an entry of the incoming entry's own layer, or of a layer
+// holding more than `floor` entries; only the own layer's when that layer holds `cap`, 0 = no cap; when there
+// is none and the incoming entry's layer holds fewer than `floor`, an entry of a layer holding more than
+// `floor`, the protection notwithstanding):
+//   lru (0): the least (used, entry);
+//   classlru (1): the largest age / 2^class, age = clock - the clock at its last use (tokens), class =
+//     floor(log2(CRF)) at its last use, at most SIM_CRF_CLASSES - 1; CRF = uses decayed with a half-life of
+//     SIM_CRF_HALF_LIFE tokens, kept across evictions, fixed point with SIM_CRF_FRAC fraction bits; ties: lru.
+// The residents are an unordered array scanned for each victim: O(capacity) per eviction.
+//
+// counters[0] += uploads (sync: completed, dropped included; instant: admissions), [1] += dropped,
+// [2] += wasted (sync: dropped, or evicted before any hit).
+
+#define SIM_STEP 4
+#define SIM_CRF_HALF_LIFE 128
+#define SIM_CRF_CLASSES 8
+#define SIM_CRF_FRAC 24
+
+// 2^30 * 2^(-j / 128), rounded (sim.CRF_DECAY; the tests compare the two)
+static const uint32_t sim_crf_decay[SIM_CRF_HALF_LIFE] = {
+    1073741824u, 1067942999u, 1062175491u, 1056439131u, 1050733751u, 1045059183u, 1039415261u, 1033801819u,
+    1028218693u, 1022665720u, 1017142735u, 1011649578u, 1006186087u, 1000752102u, 995347464u, 989972014u,
+    984625594u, 979308048u, 974019220u, 968758955u, 963527098u, 958323496u, 953147997u, 948000448u,
+    942880699u, 937788600u, 932724001u, 927686753u, 922676710u, 917693724u, 912737649u, 907808339u,
+    902905651u, 898029440u, 893179563u, 888355878u, 883558244u, 878786521u, 874040567u, 869320244u,
+    864625413u, 859955938u, 855311680u, 850692504u, 846098274u, 841528855u, 836984114u, 832463917u,
+    827968132u, 823496627u, 819049271u, 814625932u, 810226483u, 805850792u, 801498734u, 797170178u,
+    792865000u, 788583072u, 784324269u, 780088465u, 775875538u, 771685363u, 767517817u, 763372778u,
+    759250125u, 755149737u, 751071493u, 747015274u, 742980960u, 738968435u, 734977579u, 731008277u,
+    727060411u, 723133865u, 719228525u, 715344277u, 711481005u, 707638598u, 703816941u, 700015924u,
+    696235434u, 692475362u, 688735596u, 685016026u, 681316545u, 677637043u, 673977412u, 670337545u,
+    666717336u, 663116678u, 659535466u, 655973594u, 652430958u, 648907455u, 645402981u, 641917433u,
+    638450708u, 635002706u, 631573326u, 628162466u, 624770026u, 621395908u, 618040012u, 614702239u,
+    611382493u, 608080675u, 604796689u, 601530438u, 598281827u, 595050760u, 591837143u, 588640881u,
+    585461881u, 582300049u, 579155293u, 576027521u, 572916640u, 569822560u, 566745190u, 563684439u,
+    560640218u, 557612438u, 554601009u, 551605844u, 548626854u, 545663953u, 542717053u, 539786068u,
+};
+
+uint32_t pybmoe_sim_crf_decay(int32_t j) {
+    return j >= 0 && j < SIM_CRF_HALF_LIFE ? sim_crf_decay[j] : 0;
+}
+
+static inline uint64_t crf_use(uint64_t crf, int64_t age) {
+    if (crf && age > 0) {
+        const int64_t halvings = age / SIM_CRF_HALF_LIFE;
+        crf = (crf * sim_crf_decay[age % SIM_CRF_HALF_LIFE]) >> 30;
+        crf = halvings >= 63 ? 0 : crf >> halvings;
+    }
+    return crf + ((uint64_t) 1 << SIM_CRF_FRAC);
+}
+
+static inline uint8_t crf_class(uint64_t crf) {
+    const int c = 63 - __builtin_clzll(crf) - SIM_CRF_FRAC;
+    return (uint8_t) (c < SIM_CRF_CLASSES - 1 ? c : SIM_CRF_CLASSES - 1);
+}
+
+typedef struct {
+    int32_t   n_expert, floor, cap, key;
+    int64_t   capacity, n_res, clock;
+    uint8_t * resident; // [n_entries]
+    int32_t * pos;      // [n_entries] its place in rs
+    int32_t * rs;       // [capacity] the residents, unordered
+    int32_t * cnt;      // [n_layer] residents per layer
+    int64_t * used;     // [n_entries] sync: the served step of its last lookup; instant: that lookup's event
+    int64_t * mark;     // [n_entries] tag of the unit (instant) or ubatch (sync) that looked it up
+    int64_t * first_ev; // [n_entries] its first event in that unit (instant)
+    uint64_t * crf;     // [n_entries] 0: never used
+    int64_t * last;     // [n_entries] the clock at its last use
+    uint8_t * cls;      // [n_entries]
+    uint8_t * gothit;   // [n_entries] a hit since it landed (sync)
+    int32_t * flight;   // [n_entries]
+    int32_t * misses;   // [n_entries]
+} pool_t;
+
+static inline void pool_touch(pool_t * p, int32_t x) {
+    const uint64_t c = crf_use(p->crf[x], p->clock - (p->crf[x] ? p->last[x] : p->clock));
+    p->crf[x]  = c;
+    p->last[x] = p->clock;
+    p->cls[x]  = crf_class(c);
+}
+
+static inline int pool_full_for(const pool_t * p, int32_t x) {
+    return p->n_res >= p->capacity || (p->cap > 0 && p->cnt[x / p->n_expert] >= p->cap);
+}
+
+// whether y goes before b as the victim
+static inline int pool_before(const pool_t * p, int32_t y, int32_t b) {
+    if (p->key == 1) {
+        const int64_t sy = (p->clock - p->last[y]) << p->cls[b];
+        const int64_t sb = (p->clock - p->last[b]) << p->cls[y];
+        if (sy != sb) {
+            return sy > sb;
+        }
+    }
+    return p->used[y] < p->used[b] || (p->used[y] == p->used[b] && y < b);
+}
+
+// the victim for x: sync protects the residents used at step `guard_v` or later, instant those marked `guard_v`
+static int32_t pool_victim(const pool_t * p, int32_t x, int sync, int64_t guard_v) {
+    const int32_t lx  = x / p->n_expert;
+    const int     own = p->cap > 0 && p->cnt[lx] >= p->cap;
+    int32_t best = -1;
+    for (int64_t j = 0; j < p->n_res; ++j) {
+        const int32_t y = p->rs[j];
+        if (sync ? p->used[y] >= guard_v : p->mark[y] == guard_v) {
+            continue;
+        }
+        const int32_t ly = y / p->n_expert;
+        if (ly != lx && (own || p->cnt[ly] <= p->floor)) {
+            continue;
+        }
+        if (best < 0 || pool_before(p, y, best)) {
+            best = y;
+        }
+    }
+    if (best < 0 && p->cnt[lx] < p->floor) {
+        // under its floor: a layer over its floor gives, even an entry selected at the last step
+        for (int64_t j = 0; j < p->n_res; ++j) {
+            const int32_t y  = p->rs[j];
+            const int32_t ly = y / p->n_expert;
+            if (ly != lx && p->cnt[ly] > p->floor && (best < 0 || pool_before(p, y, best))) {
+                best = y;
+            }
+        }
+    }
+    return best;
+}
+
+static inline void pool_evict(pool_t * p, int32_t v) {
+    const int32_t j = p->pos[v];
+    p->rs[j] = p->rs[p->n_res - 1];
+    p->pos[p->rs[j]] = j;
+    p->n_res--;
+    p->resident[v] = 0;
+    p->gothit[v] = 0;
+    p->cnt[v / p->n_expert]--;
+}
+
+static inline void pool_admit(pool_t * p, int32_t x) {
+    p->pos[x] = (int32_t) p->n_res;
+    p->rs[p->n_res++] = x;
+    p->resident[x] = 1;
+    p->gothit[x] = 0;
+    p->cnt[x / p->n_expert]++;
+}
+
+int32_t pybmoe_sim_pool(int32_t timing, int32_t key, int64_t n_units, const int64_t * unit_start,
+                        const uint8_t * unit_flags, const int32_t * unit_tokens, const int32_t * entry,
+                        int32_t n_layer, int32_t n_expert, int64_t capacity, int32_t floor, int32_t cap,
+                        int64_t staging, int8_t * out, int64_t * counters) {
+    if (timing < 0 || timing > 1 || key < 0 || key > 1 || n_units < 0 || n_layer <= 0 || n_expert <= 0 ||
+        (int64_t) n_layer * n_expert > INT32_MAX || capacity < 0 || floor < 0 || cap < 0 || staging < 0) {
+        return SIM_EINVAL;
+    }
+    const int32_t n = n_layer * n_expert;
+    if (capacity > n) {
+        capacity = n;
+    }
+    pool_t p = { .n_expert = n_expert, .floor = floor, .cap = cap, .key = key, .capacity = capacity };
+    p.resident = calloc((size_t) n, 1);
+    p.pos      = calloc((size_t) n, sizeof(int32_t));
+    p.rs       = malloc(sizeof(int32_t) * (size_t) (capacity > 0 ? capacity : 1));
+    p.cnt      = calloc((size_t) n_layer, sizeof(int32_t));
+    p.used     = calloc((size_t) n, sizeof(int64_t));
+    p.mark     = calloc((size_t) n, sizeof(int64_t));
+    p.first_ev = calloc((size_t) n, sizeof(int64_t));
+    p.crf      = calloc((size_t) n, sizeof(uint64_t));
+    p.last     = calloc((size_t) n, sizeof(int64_t));
+    p.cls      = calloc((size_t) n, 1);
+    p.gothit   = calloc((size_t) n, 1);
+    p.flight   = malloc(sizeof(int32_t) * (size_t) n);
+    p.misses   = malloc(sizeof(int32_t) * (size_t) n);
+    int32_t rc = SIM_OK;
+    if (!p.resident || !p.pos || !p.rs || !p.cnt || !p.used || !p.mark || !p.first_ev || !p.crf || !p.last ||
+        !p.cls || !p.gothit || !p.flight || !p.misses) {
+        rc = SIM_ENOMEM;
+        goto done;
+    }
+    int64_t n_flight = 0, n_misses = 0, step = 0, last_step = 0;
+    for (int64_t u = 0; u < n_units;) {
+        if (unit_flags[u] & SIM_RESET) {
+            memset(p.resident, 0, (size_t) n);
+            memset(p.cnt, 0, sizeof(int32_t) * (size_t) n_layer);
+            memset(p.used, 0, sizeof(int64_t) * (size_t) n);
+            memset(p.crf, 0, sizeof(uint64_t) * (size_t) n);
+            memset(p.gothit, 0, (size_t) n);
+            p.n_res = p.clock = 0;
+            n_flight = n_misses = step = last_step = 0;
+        }
+        if (timing == 1) { // ---- instant: one layer step
+            if (unit_flags[u] & SIM_STEP) {
+                p.clock += unit_tokens[u];
+            }
+            const int64_t b = unit_start[u], end = unit_start[u + 1], tag = u + 1;
+            const uint8_t fl = unit_flags[u];
+            u++;
+            if (!(fl & SIM_SERVED)) {
+                memset(out + b, -1, (size_t) (end - b));
+                continue;
+            }
+            for (int64_t i = b; i < end; ++i) {
+                const int32_t x = entry[i];
+                if (p.mark[x] != tag) {
+                    p.mark[x]     = tag;
+                    p.first_ev[x] = i;
+                }
+                out[i] = (int8_t) p.resident[x];
+            }
+            for (int64_t i = b; i < end; ++i) {
+                const int32_t x = entry[i];
+                if (p.first_ev[x] != i || p.resident[x]) {
+                    continue;
+                }
+                if (pool_full_for(&p, x)) {
+                    const int32_t v = pool_victim(&p, x, 0, tag);
+                    if (v < 0) {
+                        continue; // bypassed: all its lookups in this step miss
+                    }
+                    pool_evict(&p, v);
+                }
+                pool_admit(&p, x);
+                counters[0]++;
+            }
+            for (int64_t i = b; i < end; ++i) {
+                const int32_t x = entry[i];
+                if (p.resident[x]) {
+                    if (p.first_ev[x] != i) {
+                        out[i] = 1; // a repeat of an admitted entry hits
+                    }
+                    p.used[x] = i;
+                }
+            }
+            if (key == 1) {
+                for (int64_t i = b; i < end; ++i) {
+                    if (p.first_ev[entry[i]] == i) {
+                        pool_touch(&p, entry[i]);
+                    }
+                }
+            }
+            continue;
+        }
+        // ---- sync: one ubatch, units u .. v - 1
+        int64_t v = u + 1;
+        while (v < n_units && !(unit_flags[v] & SIM_STEP)) {
+            v++;
+        }
+        const int64_t b = unit_start[u], end = unit_start[v], tag = u + 1;
+        n_misses = 0;
+        if (unit_flags[u] & SIM_SERVED) {
+            last_step = ++step;
+            p.clock += unit_tokens[u];
+            for (int64_t i = b; i < end; ++i) {
+                const int32_t x = entry[i];
+                const int first = p.mark[x] != tag;
+                p.mark[x] = tag;
+                p.used[x] = step;
+                if (p.resident[x]) {
+                    out[i] = 1;
+                    p.gothit[x] = 1;
+                } else {
+                    out[i] = 0;
+                    if (first) {
+                        p.misses[n_misses++] = x;
+                    }
+                }
+                if (first && key == 1) {
+                    pool_touch(&p, x);
+                }
+            }
+        } else {
+            memset(out + b, -1, (size_t) (end - b));
+        }
+        // after the ubatch: the uploads scheduled after the previous one settle
+        for (int64_t j = 0; j < n_flight; ++j) {
+            const int32_t x = p.flight[j];
+            counters[0]++;
+            if (pool_full_for(&p, x)) {
+                const int32_t vt = pool_victim(&p, x, 1, last_step);
+                if (vt < 0) {
+                    counters[1]++;
+                    counters[2]++;
+                    continue;
+                }
+                counters[2] += !p.gothit[vt];
+                pool_evict(&p, vt);
+            }
+            pool_admit(&p, x);
+        }
+        n_flight = 0;
+        // then this ubatch's misses are scheduled
+        for (int64_t j = 0; j < n_misses; ++j) {
+            const int32_t x = p.misses[j];
+            if (p.resident[x]) {
+                continue;
+            }
+            if (n_flight == staging + (p.capacity - p.n_res)) {
+                break;
+            }
+            p.flight[n_flight++] = x;
+        }
+        u = v;
+    }
+done:
+    free(p.resident); free(p.pos); free(p.rs); free(p.cnt); free(p.used); free(p.mark); free(p.first_ev);
+    free(p.crf); free(p.last); free(p.cls); free(p.gothit); free(p.flight); free(p.misses);
+    return rc;
 }

@@ -36,6 +36,23 @@ Policies (:data:`POLICIES`; the rules are spelled out in ``docs/traces.md``):
     (``lend_entries``, :func:`simulate`): a step that wants less than half of its layer holds up to
     ``budget_entries`` plus the window; one that wants half or more first evicts down to
     ``budget_entries``.
+``pool``, ``pool-global``, ``pool-classlru``, ``classlru``
+    One bank of ``budget_entries`` slots over the (layer, expert) entries of all layers (the VRAM
+    tier's pool per device, docs/expert-cache.md, "The pool"). ``pool`` is its default structure,
+    exactly as the engine is to run it: the engine's timing (a served ubatch's lookups see the
+    residents as published before it; right after each ubatch the uploads scheduled after the
+    previous one settle, a full bank evicting argmin ``(used step, layer, expert)`` among the
+    residents not selected at the last served step, then the ubatch's distinct misses are
+    scheduled, so a miss at step s is resident from s + 2), with the ``floor-half-k`` guard (a miss
+    may evict only its own layer's entries or those of a layer holding more than ``min(top_k,
+    budget // n_layer) // 2``; a layer under that floor takes one from a layer over it even if it
+    was selected at the last step). ``pool-global``: the same with no guard; ``pool-classlru``: the
+    pool with ClassLRU's victim (upstream llama.cpp b12170: the largest age / 2**class, see
+    :data:`CRF_HALF_LIFE`); ``classlru``: upstream's cache as published (one bank, no guard,
+    ClassLRU, misses uploaded before the layer runs: the ``instant`` timing, admitted per layer step
+    as the global policies). ``guard=`` and ``timing=`` (:data:`POOL_GUARDS`,
+    :data:`POOL_TIMINGS`) replay the other variants; unguarded and instant, the pool is
+    ``global-lru``; partitioned (one-token steps), it is ``layer-lru``.
 ``static``
     The ``budget_entries`` most looked-up entries of each workload (in the replayed phase,
     learned in sample: an upper bound for static pinning) are pinned from the start; nothing else
@@ -73,7 +90,28 @@ import pandas as pd
 
 from . import trace as tr
 
-POLICIES = ("layer-lru", "global-lru", "global-lru-scan", "fifo", "lfu", "belady", "static")
+POLICIES = ("layer-lru", "pool", "pool-global", "pool-classlru", "classlru", "global-lru", "global-lru-scan",
+            "fifo", "lfu", "belady", "static")
+#: The guards of the pool (``guard=``): which entries a miss may evict (docs/expert-cache.md, "The pool").
+#: ``none``: any; ``floor-half-k`` (the default): an entry of its own layer, or of a layer holding more
+#: than ``min(top_k, budget // n_layer) // 2`` entries (the floor), and a layer under its floor takes
+#: one from a layer over it even if that entry was selected at the last step; ``floor-k`` and
+#: ``floor-share``: likewise with a floor of ``min(top_k, budget // n_layer)`` and ``budget // n_layer``;
+#: ``partition``: only its own layer's, each layer holding ``budget // n_layer`` (per-layer slots).
+POOL_GUARDS = ("none", "floor-half-k", "floor-k", "floor-share", "partition")
+#: When a miss becomes resident (``timing=``): ``sync``, the engine's (a miss at step s is resident
+#: from s + 2; uploads settle after each ubatch); ``instant``, upstream's (uploaded before the layer runs).
+POOL_TIMINGS = ("sync", "instant")
+#: The pool's eviction orders: ``lru`` (least recently used step, then the lowest entry) and
+#: ``classlru`` (upstream b12170's: the largest age / 2**class, see :data:`CRF_HALF_LIFE`).
+POOL_KEYS = ("lru", "classlru")
+#: The pool policies: (timing, eviction order, guard). ``pool`` is the default structure of the VRAM
+#: tier's pool (see docs/benchmarks/vram-pool-sim/ for why), ``pool-global`` the same bank with no
+#: guard (one LRU over all (layer, expert) entries), ``pool-classlru`` the pool with ClassLRU's order,
+#: ``classlru`` upstream llama.cpp's cache since b12170 as far as its rule is published (one bank,
+#: instant uploads, no guard).
+POOL_POLICIES = {"pool": ("sync", "lru", "floor-half-k"), "pool-global": ("sync", "lru", "none"),
+                 "pool-classlru": ("sync", "classlru", "floor-half-k"), "classlru": ("instant", "classlru", "none")}
 #: The stream tier's policy at its defaults (``--moe-stream-cache-mb``; ``PYBMOE_MOE_STREAM_POLICY``
 #: selects ``global-lru`` instead).
 STREAM_POLICY = "global-lru-scan"
@@ -87,7 +125,7 @@ ADMISSIONS = ("always", "second-miss")
 #: (llama-moe.h's LLAMA_MOE_CACHE_ADMIT_WINDOW_DEFAULT, which tests/build/test_abi.py holds this copy to).
 DEFAULT_ADMIT_WINDOW = LLAMA_MOE_CACHE_ADMIT_WINDOW_DEFAULT = 4
 _GLOBAL_CODE = {"global-lru": 0, "fifo": 1, "lfu": 2, "belady": 3, "global-lru-scan": 4}
-_SERVED, _RESET = 1, 2
+_SERVED, _RESET, _STEP = 1, 2, 4
 _NEVER = 1 << 62
 #: Columns of the per-workload summary (and of ``--csv``), in order.
 SUMMARY_COLUMNS = ("workload", "policy", "phase", "budget_entries", "slots_per_layer", "inserts", "admit",
@@ -137,7 +175,7 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
     try:
         lib = ctypes.CDLL(str(p))
         lib.pybmoe_simcore_version.restype = ctypes.c_int32
-        if lib.pybmoe_simcore_version() != 5:
+        if lib.pybmoe_simcore_version() != 6:
             return False
     except (OSError, AttributeError):
         return False
@@ -154,6 +192,12 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
     lib.pybmoe_sim_global.argtypes = [ctypes.c_int32, ctypes.c_int64, i64p, u8p, i32p, ctypes.c_int32,
                                       ctypes.c_int64, ctypes.c_int32, ctypes.c_int64, i8p, i64p]
     lib.pybmoe_sim_global.restype = ctypes.c_int32
+    lib.pybmoe_sim_pool.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, i64p, u8p, i32p, i32p,
+                                    ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                                    ctypes.c_int64, i8p, i64p]
+    lib.pybmoe_sim_pool.restype = ctypes.c_int32
+    lib.pybmoe_sim_crf_decay.argtypes = [ctypes.c_int32]
+    lib.pybmoe_sim_crf_decay.restype = ctypes.c_uint32
     _core = lib
     return True
 
@@ -377,6 +421,201 @@ def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndar
     counters[0] += admitted
 
 
+# --------------------------------------------------------------------------- the pool
+
+#: ClassLRU's CRF (combined recency and frequency), as upstream llama.cpp b12170 (PR #31233) states
+#: it: each use of an entry adds 1, the sum decays with a half-life of :data:`CRF_HALF_LIFE` tokens and
+#: is kept across evictions; its class is ``floor(log2(CRF))``, at most ``CRF_CLASSES - 1``. Here the
+#: CRF is fixed point with :data:`CRF_FRAC_BITS` fraction bits, so that every implementation of the
+#: rule (this module, the core, the engine) computes the same classes.
+CRF_HALF_LIFE = 128
+CRF_CLASSES = 8
+CRF_FRAC_BITS = 24
+#: 2**30 * 2**(-j / CRF_HALF_LIFE) for j = 0 .. CRF_HALF_LIFE - 1, rounded: the decay of the CRF over
+#: j tokens (the core computes the same table and the tests compare them).
+CRF_DECAY = tuple(round(2.0 ** 30 * 2.0 ** (-j / CRF_HALF_LIFE)) for j in range(CRF_HALF_LIFE))
+
+
+def crf_use(crf: int, age: int) -> int:
+    """The fixed-point CRF after one more use, ``age`` tokens after the last one (``crf`` 0: never used)."""
+    if crf and age:
+        crf = (crf * CRF_DECAY[age % CRF_HALF_LIFE]) >> 30 >> min(age // CRF_HALF_LIFE, 63)
+    return crf + (1 << CRF_FRAC_BITS)
+
+
+def crf_class(crf: int) -> int:
+    """``floor(log2(CRF))`` of a fixed-point CRF of at least 1, at most ``CRF_CLASSES - 1``."""
+    return min(CRF_CLASSES - 1, crf.bit_length() - 1 - CRF_FRAC_BITS)
+
+
+def _pool_py(start: np.ndarray, flags: np.ndarray, entry: np.ndarray, tokens: np.ndarray, n_expert: int,
+             capacity: int, timing: int, key: int, floor: int, cap: int, staging: int, out: np.ndarray,
+             counters: np.ndarray) -> None:
+    """The pool, written as docs/expert-cache.md ("The pool") states it (see pybmoe_sim_pool).
+
+    It stays beside the compiled core as the rule written plainly: the tests' oracle for the core
+    (tests/routing/test_pool.py) and the replay where no core is built, as the other twins.
+
+    Units are layer steps (one layer's lookups in one ubatch) in forward order, entries ``layer *
+    n_expert + expert``; ``_STEP`` marks the first unit of a ubatch, ``tokens`` its token count (the
+    ClassLRU clock). ``timing`` 0 (sync, the engine's): a served ubatch's lookups see the residents as
+    they were before it; after every ubatch the uploads scheduled after the previous one settle, then
+    its distinct misses are scheduled. ``timing`` 1 (instant, upstream's): each layer step admits its
+    misses before the next. ``key`` 0: LRU, 1: ClassLRU. The guard: a victim is an entry of the
+    incoming entry's own layer, or of a layer holding more than ``floor`` entries; a layer holding
+    ``cap`` entries (0: no cap) takes its victim from its own entries. ``staging``: uploads in flight
+    beyond the free slots (sync). ``counters``: [0] += uploads (sync: completed, dropped included;
+    instant: admissions), [1] += dropped, [2] += wasted (dropped, or evicted before any hit; sync).
+    """
+    ids = entry.tolist()
+    st = start.tolist()
+    fls = flags.tolist()
+    tok = tokens.tolist()
+    n_units = len(fls)
+    res = [0] * len(ids)
+    uploads = dropped = wasted = 0
+    R: set[int] = set()
+    cnt: dict[int, int] = {}
+    used: dict[int, int] = {}       # sync: the served step of the last lookup; instant: its event index
+    crf: dict[int, int] = {}
+    last: dict[int, int] = {}       # the clock (tokens) at the last use
+    cls: dict[int, int] = {}
+    got_hit: set[int] = set()
+    F: list[int] = []
+    misses: list[int] = []
+    step = last_step = clock = 0
+
+    def touch(x: int) -> None:
+        c = crf_use(crf.get(x, 0), clock - last.get(x, clock))
+        crf[x], last[x], cls[x] = c, clock, crf_class(c)
+
+    def order(y: int):
+        # the victim is the least of this key
+        if key == 0:
+            return (used[y], y)
+        # the largest age / 2**class first: age * 2**(CRF_CLASSES - 1 - class) orders the same, in integers
+        return (-((clock - last[y]) << (CRF_CLASSES - 1 - cls[y])), used[y], y)
+
+    def full_for(x: int) -> bool:
+        return len(R) >= capacity or (cap > 0 and cnt.get(x // n_expert, 0) >= cap)
+
+    def victim(x: int, protected) -> int | None:
+        lx = x // n_expert
+        own = cap > 0 and cnt.get(lx, 0) >= cap
+        best = None
+        for y in R:
+            if protected(y):
+                continue
+            ly = y // n_expert
+            if ly != lx and (own or cnt[ly] <= floor):
+                continue
+            if best is None or order(y) < order(best):
+                best = y
+        if best is None and cnt.get(lx, 0) < floor:     # under its floor: an over-floor layer gives, even
+            for y in R:                                   # an entry selected at the last step
+                ly = y // n_expert
+                if ly != lx and cnt[ly] > floor and (best is None or order(y) < order(best)):
+                    best = y
+        return best
+
+    def evict(v: int) -> None:
+        R.remove(v)
+        cnt[v // n_expert] -= 1
+        got_hit.discard(v)
+
+    def admit(x: int) -> None:
+        R.add(x)
+        cnt[x // n_expert] = cnt.get(x // n_expert, 0) + 1
+
+    u = 0
+    while u < n_units:
+        if fls[u] & _RESET:
+            R, cnt, used, crf, last, cls, got_hit = set(), {}, {}, {}, {}, {}, set()
+            F, misses, step, last_step, clock = [], [], 0, 0, 0
+        if timing == 1:                                  # instant: one layer step
+            if fls[u] & _STEP:
+                clock += tok[u]
+            b, end = st[u], st[u + 1]
+            u += 1
+            if not fls[u - 1] & _SERVED:
+                res[b:end] = [-1] * (end - b)
+                continue
+            need: dict[int, int] = {}
+            for i in range(b, end):
+                need.setdefault(ids[i], i)
+                res[i] = int(ids[i] in R)
+            for x in need:
+                if x in R:
+                    continue
+                if full_for(x):
+                    v = victim(x, lambda y: y in need)
+                    if v is None:
+                        continue                         # bypassed: all its lookups here miss
+                    evict(v)
+                admit(x)
+                uploads += 1
+            for i in range(b, end):
+                x = ids[i]
+                if x in R:
+                    res[i] = 1 if need[x] != i else res[i]   # a repeat of an admitted entry hits
+                    used[x] = i
+            if key == 1:
+                for x in need:
+                    touch(x)
+            continue
+        # sync: one ubatch, units u .. v - 1
+        v = u + 1
+        while v < n_units and not fls[v] & _STEP:
+            v += 1
+        b, end = st[u], st[v]
+        if fls[u] & _SERVED:
+            step += 1
+            last_step = step
+            clock += tok[u]
+            missed: dict[int, None] = {}
+            seen: dict[int, None] = {}
+            for i in range(b, end):
+                x = ids[i]
+                used[x] = step
+                seen[x] = None
+                if x in R:
+                    res[i] = 1
+                    got_hit.add(x)
+                else:
+                    res[i] = 0
+                    missed[x] = None
+            if key == 1:
+                for x in seen:
+                    touch(x)
+            new_misses = list(missed)
+        else:
+            res[b:end] = [-1] * (end - b)
+            new_misses = []
+        for x in F:                                      # after the ubatch: the uploads scheduled after the previous one
+            uploads += 1
+            if full_for(x):
+                vt = victim(x, lambda y: used.get(y, 0) >= last_step)
+                if vt is None:
+                    dropped += 1
+                    wasted += 1
+                    continue
+                wasted += vt not in got_hit
+                evict(vt)
+            admit(x)
+        F = []
+        for x in new_misses:                             # then this one's misses are scheduled
+            if x in R:
+                continue
+            if len(F) == staging + (capacity - len(R)):
+                break
+            F.append(x)
+        u = v
+    out[:] = np.asarray(res, dtype=np.int8)
+    counters[0] += uploads
+    counters[1] += dropped
+    counters[2] += wasted
+
+
 # --------------------------------------------------------------------------- prepared streams
 
 @dataclass(frozen=True)
@@ -386,8 +625,9 @@ class _Units:
     rows: np.ndarray     # int64 [events] frame row of each event
     ids: np.ndarray      # int32 [events] expert (layer-lru) or (layer, expert) entry (global)
     start: np.ndarray    # int64 [units + 1]
-    flags: np.ndarray    # uint8 [units] _SERVED | _RESET
+    flags: np.ndarray    # uint8 [units] _SERVED | _RESET (| _STEP: the pool's, a unit that begins a ubatch)
     wl_units: np.ndarray  # int64 [workloads + 1] first unit of each workload
+    tokens: np.ndarray | None = None  # int32 [units] tokens of the unit's ubatch (the pool's)
     parts: list = field(default_factory=list, compare=False, repr=False)  # _parts(), filled once
 
 
@@ -582,6 +822,31 @@ class Replay:
                                            entry)
         return self._cache[key]
 
+    def pool_units(self, max_batch: int, phase: str | None) -> _Units:
+        """The pool's units: rows in (workload, ubatch, layer, token, rank) order with entry ids, a
+        unit per layer step, ``_STEP`` on the first unit of each ubatch, ``tokens`` its token count.
+        ``phase`` None: every row, a ubatch served when it has at most ``max_batch`` tokens (the sync
+        timing, as layer-lru); else only the rows of ``phase``, all served (the instant timing, as the
+        global policies)."""
+        key = ("pool", max_batch, phase)
+        if key not in self._cache:
+            rows = (np.arange(self.n_rows, dtype=np.int64) if phase is None
+                    else np.flatnonzero(self.mask(phase)).astype(np.int64))
+            entry = self.lay * self.n_expert + self.expert
+            u = self._units(rows, (self.rank, self.token, self.lay, self.ubatch, self.wl),
+                            (self.wl, self.ubatch, self.lay), (self.wl,), entry)
+            first = u.rows[u.start[:-1]]                               # a row of each unit
+            _, ub_idx, ub_tokens = self.ubatches()
+            ub = ub_idx[first]
+            step = np.ones(len(first), dtype=bool)
+            step[1:] = ub[1:] != ub[:-1]
+            tokens = ub_tokens[ub].astype(np.int32)
+            flags = (u.flags & _RESET) | np.where(step, _STEP, 0).astype(np.uint8)
+            served = np.ones(len(first), dtype=bool) if phase is not None else tokens <= max_batch
+            flags |= np.where(served, _SERVED, 0).astype(np.uint8)
+            self._cache[key] = _Units(u.rows, u.ids, u.start, flags.astype(np.uint8), u.wl_units, tokens)
+        return self._cache[key]
+
     def overlap(self) -> dict[str, float]:
         """Per workload: mean consecutive-token overlap of the decode rows (all rows if none)."""
         if "overlap" not in self._cache:
@@ -661,6 +926,54 @@ def gguf_expert_bytes(model: str | os.PathLike) -> tuple[float, int, int, int]:
     return total / (len(layers) * n_expert), len(layers), int(n_expert), k
 
 
+def pool_rule(policy: str, *, timing: str | None = None, guard: str | None = None) -> tuple[str, str, str]:
+    """``(timing, eviction order, guard)`` of a pool policy, with ``timing`` / ``guard`` overriding
+    the policy's own. Raises :class:`PolicyError` for a policy that is not a pool policy, or an
+    unknown timing or guard."""
+    if policy not in POOL_POLICIES:
+        raise PolicyError(f"policy {policy!r} is not a pool; accepted: {', '.join(POOL_POLICIES)}")
+    t, k, g = POOL_POLICIES[policy]
+    t = t if timing is None else timing
+    g = g if guard is None else guard
+    if t not in POOL_TIMINGS:
+        raise PolicyError(f"timing {t!r}; accepted: {', '.join(POOL_TIMINGS)}")
+    if g not in POOL_GUARDS:
+        raise PolicyError(f"guard {g!r}; accepted: {', '.join(POOL_GUARDS)}")
+    return t, k, g
+
+
+def guard_params(guard: str, budget_entries: int, n_layer: int, top_k: int, n_expert: int) -> tuple[int, int]:
+    """The guard as ``(floor, cap)`` in entries per layer (0: none) for a pool of ``budget_entries``.
+
+    A miss of layer l may evict an entry of layer l, or of a layer holding more than ``floor``
+    entries (and, when layer l holds fewer than ``floor``, an over-floor layer's entry selected at the
+    last step); a layer holding ``cap`` entries evicts its own. With ``share = budget_entries //
+    n_layer``: ``floor-half-k``: ``floor = min(top_k, share) // 2``; ``floor-k``: ``floor =
+    min(top_k, share)``, so under the cache cycle every layer keeps its share and above it its
+    top-k; ``floor-share``: ``floor = share``; ``partition``: ``cap = min(share, n_expert)``
+    (per-layer slots); ``none``: ``(0, 0)``. Raises :class:`PolicyError` for an unknown guard."""
+    share = budget_entries // n_layer if n_layer else 0
+    if guard == "none":
+        return 0, 0
+    if guard == "floor-half-k":
+        return min(top_k, share) // 2, 0
+    if guard == "floor-k":
+        return min(top_k, share), 0
+    if guard == "floor-share":
+        return share, 0
+    if guard == "partition":
+        return 0, min(share, n_expert)
+    raise PolicyError(f"guard {guard!r}; accepted: {', '.join(POOL_GUARDS)}")
+
+
+def pool_staging(budget_entries: int, n_layer: int, n_expert: int, top_k: int) -> int:
+    """The pool's staging slots (sync timing): uploads in flight beyond its free slots, the sum of
+    the per-layer staging of today's slots without an insert cap, ``min(n_layer * min(top_k,
+    n_expert), n_layer * n_expert - budget_entries)``. A one-token step's misses always fit (at most
+    top-k per layer); a larger step's are scheduled in order of first appearance until they do not."""
+    return max(0, min(n_layer * min(top_k, n_expert), n_layer * n_expert - budget_entries))
+
+
 def resolve_budget(*, n_layer: int, n_expert: int, slots_per_layer: int | None = None,
                    budget_entries: int | None = None, fraction: float | None = None, mib: float | None = None,
                    expert_bytes: float | None = None) -> int:
@@ -704,12 +1017,12 @@ class SimResult:
     """One replay of one policy at one budget.
 
     ``predicted`` is ``int8 [rows of trace.frame]`` in the frame's row order: 1 hit, 0 miss,
-    -1 not served (layer-lru: a ubatch the engine's cache does not serve) or not replayed (a row
+    -1 not served (layer-lru, the pool: a ubatch the engine's cache does not serve) or not replayed (a row
     outside ``phase`` for the other policies). ``counted`` (bool, same shape) marks the rows of
     ``phase``; they are the ``accesses`` (a counted -1 is a miss). ``summary`` has one row per
     workload, columns :data:`SUMMARY_COLUMNS`: ``uploads`` and ``wasted`` are in experts (one
     (layer, expert) slice each; ``wasted``: uploads dropped or evicted before any hit, layer-lru
-    only), ``tokens`` in tokens. ``admit`` is the admission rule, ``admit_window`` its window in
+    and the pool policies with the engine's timing only), ``tokens`` in tokens. ``admit`` is the admission rule, ``admit_window`` its window in
     steps (``second-miss`` only).
     """
 
@@ -742,6 +1055,7 @@ class _Part:
     flags: np.ndarray | None  # uint8 [units], the first flagged _RESET
     ids: np.ndarray      # int32 [events]
     row0: int            # when its events are the frame rows row0 .. row0 + events in order, else -1
+    tokens: np.ndarray | None = None  # int32 [units] (the pool's units)
 
 
 def _parts(units: _Units, n_workloads: int) -> list[_Part]:
@@ -760,21 +1074,23 @@ def _parts(units: _Units, n_workloads: int) -> list[_Part]:
             start = np.ascontiguousarray(units.start[u0:u1 + 1] - e0)
             flags = units.flags[u0:u1].copy()
             flags[0] |= _RESET
-        units.parts.append(_Part(e0, e1, start, flags, np.ascontiguousarray(units.ids[e0:e1]), row0))
+        tokens = None if units.tokens is None else np.ascontiguousarray(units.tokens[u0:u1])
+        units.parts.append(_Part(e0, e1, start, flags, np.ascontiguousarray(units.ids[e0:e1]), row0, tokens))
     return units.parts
 
 
 def _run_units(units: _Units, w: int, n_workloads: int, predicted: np.ndarray,
                fn: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]
                ) -> tuple[np.ndarray, np.ndarray]:
-    """Run one workload's slice of ``units`` through ``fn(start, flags, ids, out, counters)`` and put
-    its results into ``predicted`` (the frame's row order); returns ``(out, counters)``."""
+    """Run one workload's slice of ``units`` through ``fn(start, flags, ids, out, counters)`` (and the
+    units' ``tokens`` last, for the pool's units) and put its results into ``predicted`` (the frame's
+    row order); returns ``(out, counters)``."""
     part = _parts(units, n_workloads)[w]
     n = part.e1 - part.e0
     out = predicted[part.row0:part.row0 + n] if part.row0 >= 0 else np.empty(n, dtype=np.int8)
     counters = np.zeros(3, dtype=np.int64)
     if part.start is not None:
-        rc = fn(part.start, part.flags, part.ids, out, counters)
+        rc = fn(part.start, part.flags, part.ids, out, counters, *(() if part.tokens is None else (part.tokens,)))
         if rc:
             raise MemoryError(f"replay core failed (code {rc})")
     if part.row0 < 0:
@@ -787,8 +1103,13 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
              model: str | os.PathLike | None = None, expert_bytes: float | None = None, phase: str = "decode",
              inserts: int | None = None, max_batch: int = 1, admit: str = "always",
              admit_window: int | None = None, backend: str = "auto", lend_entries: int = 0,
+             guard: str | None = None, timing: str | None = None,
              progress: Callable[[int], None] | None = None) -> SimResult:
     """Replay ``policy`` over every workload of ``trace`` at one budget (see the module doc).
+
+    ``guard`` and ``timing`` (the pool policies only, :data:`POOL_POLICIES`; default: the policy's):
+    the guard that keeps a layer from being starved (:data:`POOL_GUARDS`) and when misses become
+    resident (:data:`POOL_TIMINGS`).
 
     ``lend_entries`` (global-lru and global-lru-scan only, default 0): the stream tier's prefetch
     window, in entries (the trace header's ``stream_lend``, the preamble's ``prefetch_experts``). A
@@ -821,6 +1142,10 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
         raise PolicyError(f"admit {admit!r} is modelled for layer-lru only, not {policy!r}; accepted: always")
     if max_batch < 1:
         raise BudgetError(f"max_batch {max_batch}; accepted: >= 1")
+    if policy in POOL_POLICIES:
+        timing, key, guard = pool_rule(policy, timing=timing, guard=guard)
+    elif timing is not None or guard is not None:
+        raise PolicyError(f"timing and guard are the pool's (policies {', '.join(POOL_POLICIES)}), not {policy!r}")
     rp = prepare(trace)
     counted = rp.mask(phase)
     if mib is not None and expert_bytes is None and model is not None:
@@ -868,6 +1193,23 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
                                                           stage, window, out, counters)
                 _layer_lru_py(start, flags, ids, rp.n_expert, slots, inserts, stage, out, counters, window)
                 return 0
+        elif policy in POOL_POLICIES:
+            sync = timing == "sync"
+            floor, cap = guard_params(guard, entries, rp.n_layer, rp.top_k, rp.n_expert)
+            if cap:
+                entries = cap * rp.n_layer
+            units = rp.pool_units(max_batch, None if sync else phase)
+            cev = None if not sync or phase == "all" else rp.mask(phase)[units.rows]
+            stage = pool_staging(entries, rp.n_layer, rp.n_expert, rp.top_k) if sync else 0
+            t_code, k_code = POOL_TIMINGS.index(timing), POOL_KEYS.index(key)
+
+            def fn(start, flags, ids, out, counters, tokens):
+                if lib is not None:
+                    return lib.pybmoe_sim_pool(t_code, k_code, len(flags), start, flags, tokens, ids, rp.n_layer,
+                                               rp.n_expert, entries, floor, cap, stage, out, counters)
+                _pool_py(start, flags, ids, tokens, rp.n_expert, entries, t_code, k_code, floor, cap, stage, out,
+                         counters)
+                return 0
         else:
             units = rp.global_units(phase)  # the counted rows only
             cev = None
@@ -894,10 +1236,11 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
 
     spl = entries / rp.n_layer
     lru = policy == "layer-lru"
+    lagged = lru or (policy in POOL_POLICIES and timing == "sync")   # wasted uploads are counted
     return SimResult(policy, phase, entries, spl, inserts if lru else None, max_batch,
                      predicted, counted, _summary(rp, policy, phase, entries, spl,
                                                   inserts if lru else None, admit, window or None,
-                                                  rp.accesses(phase), hits, uploads, wasted if lru else None),
+                                                  rp.accesses(phase), hits, uploads, wasted if lagged else None),
                      admit, window or None)
 
 
