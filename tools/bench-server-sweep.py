@@ -107,6 +107,20 @@ def run_answers(name: str, model: Path, out: Path, a) -> list[dict]:
     return rows
 
 
+def markdown(df: pd.DataFrame) -> str:
+    """The sweep as docs/benchmarks.md shows it: decode tok/s and the ratios, one row per setting."""
+    head = ("| model | limit | routing | limit MiB | stock mmap | llama-bench defaults | server, 1 client | x mmap | "
+            "x llama-bench | server, 4 clients | 4 / 1 | the server's context | budget / cycle MiB | hit % | "
+            "first token s |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|\n")
+    rows = []
+    for r in df.sort_values(["model", "factor", "routing"], ascending=[True, True, False]).itertuples():
+        rows.append(f"| {r.model} | {r.factor:g}x | {r.routing} | {r.limit_mib} | {r.mmap_tg:.2f} | {r.bench_defaults_tg:.2f} | "
+                    f"{r.server_tg:.2f} | {r.server_vs_mmap:.1f} | {r.server_vs_bench:.2f} | {r.server4_tg:.2f} | "
+                    f"{r.four_vs_one:.2f} | {r.n_slots:.0f} slots sharing {r.n_ctx_slot:.0f} | "
+                    f"{r.budget_mb:.0f} / {r.cycle_mb:.0f} | {r.server_hit_pct:.1f} | {r.server_ttft_s:.2f} |")
+    return head + "\n".join(rows) + "\n"
+
+
 def plot(df: pd.DataFrame, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -171,6 +185,7 @@ def main() -> int:
     if df.empty:
         return 0
     plot(df, a.out / "server-sweep.png")
+    (a.out / "server-sweep.md").write_text(markdown(df))
     print(df.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     if inputs:
         print(pd.DataFrame(inputs)[["model", "input", "limit_mib", "status", "oom_kills", "n_ctx_slot"]].to_string(index=False))
