@@ -12,8 +12,11 @@ is not the model's own, ``--moe-route-replay``. It starts from a cold page cache
   prompt of ``n_prompt`` token ids and ``n_gen`` generated tokens: ``decode_ts`` is the median of the
   server's own decode tok/s per request (``timings.predicted_per_second``: decode only, prefill
   apart), ``ttft_s`` the median time to the first streamed token;
-- ``clients=N``: the same requests sent at once from N threads: ``decode_ts`` is the aggregate, all
-  generated tokens over the wall time from the first send to the last answer; each answer is
+- ``clients=N``: the same requests sent at once from N threads: ``decode_ts`` is the aggregate over
+  the decode phase, as one client's is (all generated tokens over the longest request's own decode
+  time, ``timings.predicted_ms``: the requests decode together, in steps of one token each, after
+  their prompts), and ``wall_ts`` all generated tokens over the wall time from the first send to the
+  last answer (prefill included; for one client, the same over its requests in turn); each answer is
   compared with its ``clients=1`` answer (:func:`pybmoe.bench.load.compare`: identical, or a
   divergence at a near tie); with ``--moe-route-replay`` the answers are not compared (NaN): the trace
   steps once for every token the server runs, so interleaved requests get other experts than alone.
@@ -202,7 +205,9 @@ def run_server_point(model: str | os.PathLike, *, limit: memlimit.MemoryLimit | 
             budget = after.get("llamacpp:moe_stream_budget_bytes", math.nan) / 2**20
             rows.append(dict(base, clients=n_clients, status="ok", startup_s=startup_s, wall_s=wall, serving_budget_mb=budget,
                              n_requests=len(reqs), n_prompt=n_prompt, n_gen=n_gen, tokens=n_tok,
-                             decode_ts=float(np.median([a.decode_ts for a in answers])) if n_clients == 1 else n_tok / wall,
+                             decode_ts=float(np.median([a.decode_ts for a in answers])) if n_clients == 1
+                             else n_tok / max(a.predicted_n / a.decode_ts for a in answers),
+                             wall_ts=n_tok / wall,
                              ttft_s=float(np.median([a.first_s for a in answers])),
                              hit_pct=_hit_pct(before, after),
                              identical=sum(v == "identical" for v in verdicts) if comparable else math.nan,

@@ -513,8 +513,9 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
 
 def summarize_server(sruns: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
     """Per ``clients`` of the server point: ``n`` runs that answered (``refused``/``oom`` counted apart),
-    ``median_ts`` (decode tok/s: one client's per-request median, or the aggregate), ``min_ts``,
-    ``max_ts``, ``median_ttft_s``, ``median_hit_pct``, the context and budget it ran with
+    ``median_ts`` (decode tok/s: one client's per-request median, or the aggregate over the decode
+    phase), ``min_ts``, ``max_ts``, ``median_wall_ts`` (all generated tokens over the wall time, prefill
+    included), ``median_ttft_s``, ``median_hit_pct``, the context and budget it ran with
     (``n_ctx_slot``, ``n_slots``, ``budget_mb``, ``serving_budget_mb``, ``cycle_mb``), ``peak_mib``, ``oom_kills``, the
     answers' verdicts, and ``vs_bench_defaults`` / ``vs_mmap``: ``median_ts`` over llama-bench's
     ``defaults`` and ``mmap`` decode medians of the same run (NaN without them)."""
@@ -527,6 +528,7 @@ def summarize_server(sruns: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame
                          oom=int((g.status == "oom").sum()), median_ts=med,
                          min_ts=float(ok.decode_ts.min()) if len(ok) else math.nan,
                          max_ts=float(ok.decode_ts.max()) if len(ok) else math.nan,
+                         median_wall_ts=float(ok.wall_ts.median()) if len(ok) and "wall_ts" in ok else math.nan,
                          median_ttft_s=float(ok.ttft_s.median()) if len(ok) else math.nan,
                          median_hit_pct=float(ok.hit_pct.median()) if len(ok) else math.nan,
                          n_ctx_slot=g.n_ctx_slot.max(), n_slots=g.n_slots.max(),
