@@ -32,7 +32,7 @@ struct llama_moe_fit_input {
     int64_t cycle_bytes  = 0; // the cache cycle: every streamed layer's top-k experts
     int64_t least_bytes  = 0; // the mechanical minimum
     int32_t margin_pct   = 10; // a default context keeps the budget at cycle x (1 + margin)
-    int32_t keep_pct     = 90; // and at keep % of the budget its least context would leave (auto; a fixed
+    int32_t keep_pct     = 100; // and at keep % of the budget its least context would leave (auto; a fixed
                                // budget keeps all of it)
 
     // the context: n_seq slots; unified (one pool of n_ctx tokens that every slot draws from), or not

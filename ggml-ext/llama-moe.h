@@ -245,7 +245,7 @@ LLAMA_API int32_t llama_model_moe_stream_init(struct llama_model * model, int32_
 #define LLAMA_MOE_FIT_UNDER_CYCLE  3    // runs as asked with the budget under the cycle plus the margin
 #define LLAMA_MOE_FIT_ERR_REFUSED  (-3) // the context cannot fit beside the dense weights and the tier's minimum
 #define LLAMA_MOE_FIT_MARGIN_PCT   10   // a default context leaves the budget the cache cycle plus this, %
-#define LLAMA_MOE_FIT_KEEP_PCT     90   // and this share of what the least context would leave, %
+#define LLAMA_MOE_FIT_KEEP_PCT     100  // and this share of what the least context would leave, %
 #define LLAMA_MOE_FIT_CTX_MIN      4096 // the least context a shrink leaves, tokens in all (upstream --fit's -fitc default)
 typedef int64_t (*llama_moe_fit_measure_cb)(uint32_t n_ctx, uint32_t n_seq, void * user_data);
 LLAMA_API int32_t llama_model_moe_stream_fit(struct llama_model * model, uint32_t * n_ctx, uint32_t * n_seq, bool unified,
