@@ -9,10 +9,7 @@ pybmoe/routing/_simcore.c into a temporary folder) and the pure-Python rule.
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 from io import StringIO
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -23,30 +20,7 @@ from pybmoe.routing import sim
 from pybmoe.routing import trace as tr
 from pybmoe.routing.granite import GRANITE_TRACE as GRANITE
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def core() -> bool:
-    """The core built from the current source (skip without a compiler and a prebuilt core)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        if sim.have_core():
-            return True
-        pytest.skip("no C compiler to build pybmoe/routing/_simcore.c and no prebuilt core")
-    import tempfile
-    out = Path(tempfile.mkdtemp()) / "_simcore.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(REPO / "pybmoe" / "routing" / "_simcore.c")],
-                   check=True)
-    assert sim.load_core(out), "the freshly built core did not load"
-    return True
-
-
-@pytest.fixture(params=["python", "c"])
-def backend(request) -> str:
-    if request.param == "c":
-        request.getfixturevalue("core")
-    return request.param
+from test_sim import backend, core  # noqa: F401  (fixtures: the core built from the current source)
 
 
 def trace_of(steps, *, n_expert: int, top_k: int | None = None, phases=None) -> tr.Trace:
