@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -75,45 +74,17 @@ def run_inputs(name: str, model: Path, trace: Path, out: Path, a) -> list[dict]:
              ("limit under the dense weights", int(dense_mib(model) * 0.8), [], server.DEFAULTS)]
     rows = []
     for label, limit, extra, tier in cases:
+        log_path = out / f"{name}-inputs" / f"{slug(label)}.log"
         with memlimit.MemoryLimit(limit) as lim:
             r = server.run_server_point(model, limit=lim, cold=True, clients=(1,), n_prompt=a.n_prompt,
-                                        n_gen=8, route_replay=trace, extra=extra, tier=tier,
-                                        log_path=out / f"{name}-inputs" / f"{slug(label)}.log")[0]
-        log = (out / f"{name}-inputs" / f"{slug(label)}.log").read_text(errors="replace")
+                                        n_gen=8, route_replay=trace, extra=extra, tier=tier, log_path=log_path)[0]
+        log = log_path.read_text(errors="replace")
         errs = [ln for ln in log.splitlines() if " E " in ln or "error" in ln.lower()]
         rows.append(dict(model=name, input=label, limit_mib=limit, status=r["status"], oom_kills=r.get("oom_kills", 0),
                          answered=r["status"] == "ok", n_ctx_slot=r.get("n_ctx_slot"), n_slots=r.get("n_slots"),
                          fit_line=r.get("fit_line", ""), first_error=errs[0][:400] if errs else ""))
         print(f"{name} {label}: {r['status']}", file=sys.stderr, flush=True)
     return rows
-
-
-def decode_aggregate_from_log(log: str, n_clients: int = 4) -> float:
-    """The aggregate decode tok/s of a server log's last ``n_clients`` requests (sent at once), from the
-    server's own timing lines: their generated tokens over the longest one's decode time (what
-    pybmoe.bench.server's ``decode_ts`` of N clients is; runs written before it had only ``wall_ts``)."""
-    evals = re.findall(r"\|\s+eval time =\s+([\d.]+) ms /\s+(\d+) tokens", log)
-    if len(evals) < n_clients:
-        return math.nan
-    last = [(float(ms), int(n)) for ms, n in evals[-n_clients:]]
-    return sum(n for _, n in last) / (max(ms for ms, _ in last) / 1000.0)
-
-
-def rescore(out: Path) -> pd.DataFrame:
-    """Recomputes ``server4_tg`` (and ``four_vs_one``) of OUT/server-sweep.csv from each setting's server logs
-    as the aggregate over the decode phase; the wall-time figure moves to ``server4_wall_tg``."""
-    df = pd.read_csv(out / "server-sweep.csv")
-    for i, r in df.iterrows():
-        logs = sorted((out / f"{r.model}-{r.factor:g}x-{r.routing}" / "logs").glob("server-*.log"))
-        vals = [decode_aggregate_from_log(p.read_text(errors="replace")) for p in logs]
-        vals = [v for v in vals if not math.isnan(v)]
-        if vals:
-            if "server4_wall_tg" not in df or pd.isna(df.at[i, "server4_wall_tg"]):
-                df.at[i, "server4_wall_tg"] = r.server4_tg
-            df.at[i, "server4_tg"] = float(pd.Series(vals).median())
-            df.at[i, "four_vs_one"] = df.at[i, "server4_tg"] / r.server_tg
-    df.to_csv(out / "server-sweep.csv", index=False)
-    return df
 
 
 def slug(label: str) -> str:
@@ -187,18 +158,10 @@ def main() -> int:
     ap.add_argument("--input-factors", default="2,3,5", help="the limit factors of the inputs' -np 8 case")
     ap.add_argument("--append", action="store_true",
                     help="keep the rows of an earlier run's OUT/server-sweep.csv (and inputs, answers) and add these")
-    ap.add_argument("--rescore", action="store_true",
-                    help="only recompute OUT/server-sweep.csv's 4-client decode from the logs (rescore), and its table")
     ap.add_argument("--answers", action="store_true",
                     help="also the answers check on each model's own router (run_answers)")
     a = ap.parse_args()
     a.factor_list = [float(f) for f in a.factors.split(",")]
-    if a.rescore:
-        df = rescore(a.out)
-        plot(df, a.out / "server-sweep.png")
-        (a.out / "server-sweep.md").write_text(markdown(df))
-        print(df.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
-        return 0
     a.out.mkdir(parents=True, exist_ok=True)
     rows, inputs, answers = [], [], []
     if a.append:
