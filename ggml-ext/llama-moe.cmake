@@ -22,4 +22,5 @@ target_sources(llama PRIVATE
     ${PYBMOE_EXT_DIR}/llama-moe-dense.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-graph.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-trace.cpp
-    ${PYBMOE_EXT_DIR}/llama-moe-replay.cpp)
+    ${PYBMOE_EXT_DIR}/llama-moe-replay.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-apply.cpp)

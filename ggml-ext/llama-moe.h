@@ -4,7 +4,7 @@
 // replay), as the llama_cpp bindings (pybmoe.engine.bindings), pybmoe-logits, common, llama-bench and
 // llama-server call it.
 //
-// Holds: plain stats structs, limits and the entry points, nothing else.
+// Holds: plain stats structs, the tier options (llama_moe_params), limits and the entry points, nothing else.
 // Must not hold: engine internals (llama-moe-hooks.h, the per-concern headers) or anything that
 // changes llama.h's public param structs, so the llama_cpp bindings' ABI stays as upstream ships it.
 
@@ -288,6 +288,86 @@ LLAMA_API void llama_moe_stream_hint_lazy_load(const char * path);
 // Per-layer lookups of the stream tier. Returns false when layer il is not streamed.
 LLAMA_API bool llama_model_moe_stream_get_layer_stats(const struct llama_model * model, int32_t il,
                                                       uint64_t * hits, uint64_t * misses);
+
+//
+// the one apply entry: the after-load sequence of every tier, in its order, for every caller
+// (common: llama-server and llama-cli; llama-bench; pybmoe.Llama)
+//
+
+// Every tier option as a plain value. The callers parse their flags and env twins into it; the
+// engine reads no option from elsewhere. llama_moe_default_params() has every tier off.
+struct llama_moe_params {
+    // the VRAM tier (--moe-expert-cache and its companions)
+    int32_t cache_slots;        // slots per host-resident MoE layer: 0 = off, or LLAMA_MOE_CACHE_AUTO
+    int32_t cache_inserts;      // uploads per layer per decode step (0 = unlimited)
+    int32_t cache_floor_mib;    // MiB left free on each device (default LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT)
+    int32_t cache_ceil_mib;     // auto: the most MiB per device (0 = no cap)
+    int32_t cache_max_batch;    // the largest ubatch the cache serves, tokens (0 = the engine's default, 1)
+    int32_t cache_admit_window; // second-miss window, steps (0 = every miss is uploaded)
+    int32_t cache_warmup;       // experts per layer uploaded after a prefill the cache did not serve (0 = off)
+    int32_t cache_upload_mib;   // MiB of uploads per step over all layers (0 = unlimited)
+    bool    cache_sync;         // deterministic upload visibility (--moe-expert-cache-sync)
+    // the disk tier (--moe-stream-cache-mb and its companions) and the dense weights
+    int32_t stream_mib;         // the RAM budget, MiB: 0 = off, or LLAMA_MOE_STREAM_AUTO
+    int32_t stream_floor_mib;   // auto: MiB left free (default LLAMA_MOE_STREAM_FLOOR_AUTO)
+    int32_t stream_ceil_mib;    // auto: the most MiB it takes (0 = no cap)
+    int32_t stream_io_threads;  // read lanes, 1 .. LLAMA_MOE_STREAM_IO_THREADS_MAX
+    int32_t dense_weights;      // LLAMA_MOE_DENSE_* (AUTO, the default, picks only with the stream tier asked for)
+    // the routing trace and route replay (nullptr: none)
+    const char * trace_path;
+    const char * route_replay_path;
+    int32_t n_ubatch;           // the largest ubatch the contexts will run, tokens (the stream tier, trace, replay)
+    bool    strict;             // a tier asked for that does not engage is an error (the bindings), not a WARN
+    // the contexts and the stream tier's budget fitted together (llama_model_moe_stream_fit), when
+    // fit_measure is set and the stream tier is on; common passes its no_alloc probe
+    llama_moe_fit_measure_cb fit_measure;
+    void *   fit_user_data;
+    uint32_t fit_n_ctx;         // the context asked, tokens in all (0: n_ctx_train)
+    uint32_t fit_n_seq;         // its slots
+    uint32_t fit_n_ctx_min;     // the least context a shrink leaves, tokens in all
+    bool     fit_unified;       // one KV pool for every slot
+    bool     fit_user_sized;    // -c given (or --fit off): never shrunk
+};
+
+// What llama_model_moe_apply did. cache, stream: the tier's init result (> 0: the layers it took;
+// 0: inert, the model has no MoE layer it can take; < 0: asked for and off; 0 when not asked for).
+// fit: LLAMA_MOE_FIT_*. n_ctx, n_seq: the context to create (the fitted one, else as asked).
+struct llama_moe_apply_report {
+    int32_t  cache;
+    int32_t  stream;
+    int32_t  fit;
+    uint32_t n_ctx;
+    uint32_t n_seq;
+};
+
+// llama_model_moe_apply's result: OK, or which step refused (its ERROR line, naming the flag, is logged)
+enum llama_moe_apply_status {
+    LLAMA_MOE_APPLY_OK                 =   0,
+    LLAMA_MOE_APPLY_ERR_PARAMS         =  -1, // no model, no params
+    LLAMA_MOE_APPLY_ERR_CACHE_MAX_BATCH = -2, // cache_max_batch out of 1 .. LLAMA_MOE_CACHE_MAX_BATCH_LIMIT
+    LLAMA_MOE_APPLY_ERR_CACHE_NO_ROOM  =  -3, // fixed slots do not fit a device
+    LLAMA_MOE_APPLY_ERR_CACHE_OFF      =  -4, // strict: the cache asked for did not engage
+    LLAMA_MOE_APPLY_ERR_CACHE_ADMIT    =  -5, // the admission window was refused
+    LLAMA_MOE_APPLY_ERR_CACHE_UPLOAD   =  -6, // the upload budget is under one expert
+    LLAMA_MOE_APPLY_ERR_STREAM_BUDGET  =  -7, // the budget cannot hold one layer step
+    LLAMA_MOE_APPLY_ERR_STREAM_OFF     =  -8, // strict: the stream tier asked for did not engage
+    LLAMA_MOE_APPLY_ERR_FIT_REFUSED    =  -9, // the context and the budget do not fit together
+    LLAMA_MOE_APPLY_ERR_DENSE          = -10, // the dense weights' policy could not be applied
+    LLAMA_MOE_APPLY_ERR_TRACE          = -11, // the routing trace cannot be written
+    LLAMA_MOE_APPLY_ERR_REPLAY         = -12, // the routing trace to replay was refused
+};
+
+LLAMA_API struct llama_moe_params llama_moe_default_params(void);
+
+// The after-load sequence, once for every caller: the expert cache (max batch, slots, sync,
+// admission, warm-up, upload budget), the stream tier, the fit, the dense weights' policy, the
+// routing trace and route replay, in that order (each step sizes for the ones before it). Call
+// after llama_model_load_from_file and before any context; a caller that measures its contexts'
+// device memory calls llama_model_moe_cache_reserve first. A tier asked for that does not engage
+// logs a WARN naming its flag (an error under strict). report may be nullptr. Returns
+// LLAMA_MOE_APPLY_OK or an LLAMA_MOE_APPLY_ERR_*; on an error, free the model.
+LLAMA_API int32_t llama_model_moe_apply(struct llama_model * model, const struct llama_moe_params * params,
+                                        struct llama_moe_apply_report * report);
 
 #ifdef __cplusplus
 }

@@ -103,3 +103,51 @@ def test_no_function_over_150_lines():
     assert len(lengths) > 100 and max(lengths.values()) > 50  # ctags read the files
     over = {k: v for k, v in lengths.items() if v > MAX_FUNCTION_LINES}
     assert over == {}, over
+
+
+#: the steps of the after-load sequence, which only the apply entry (ggml-ext/llama-moe-apply.cpp) calls
+AFTER_LOAD_STEPS = ("llama_model_moe_cache_set_max_batch", "llama_model_moe_cache_init", "llama_model_moe_cache_set_sync",
+                    "llama_model_moe_cache_set_admit_window", "llama_model_moe_cache_set_warmup",
+                    "llama_model_moe_cache_set_upload_budget_mib", "llama_model_moe_stream_init",
+                    "llama_model_moe_stream_fit", "llama_model_moe_dense_weights", "llama_model_moe_trace_open",
+                    "llama_model_moe_route_replay_open")
+
+
+def _added_lines(prefix: str) -> str:
+    """Every `+` line the patch series adds to the upstream files under ``prefix`` (common/, tools/)."""
+    root = EXT.parent / "patches"
+    out, cur = [], None
+    for name in (root / "series").read_text().split():
+        for line in (root / name).read_text(errors="replace").splitlines():
+            if line.startswith("+++ b/"):
+                cur = line[6:]
+            elif line.startswith("+") and cur and f"/llama.cpp/{prefix}" in cur:
+                out.append(line[1:])
+    return "\n".join(out)
+
+
+@pytest.mark.parametrize("caller", ["common/", "tools/", "bindings"])
+def test_the_after_load_sequence_is_written_once(caller):
+    """common (llama-server, llama-cli), llama-bench and the bindings call none of the apply entry's steps:
+    the sequence and its order live in llama_model_moe_apply alone (issue 41; before it, patch 0030 and its
+    siblings wrote it in common.cpp and llama-bench.cpp, and bindings.py a third time). Read from every
+    patch's added lines, so no patch of the series writes a step either."""
+    if caller == "bindings":
+        code = re.sub(r"#[^\n]*", "", (EXT.parent / "pybmoe" / "engine" / "bindings.py").read_text())
+        calls = re.findall(r"\.(llama_model_moe_\w+)\(", code)
+    else:
+        calls = re.findall(r"\b(llama_model_moe_\w+)\s*\(", re.sub(r"//[^\n]*", "", _added_lines(caller)))
+    assert "llama_model_moe_apply" in calls, calls
+    assert [c for c in calls if c in AFTER_LOAD_STEPS] == [], calls
+
+
+@pytest.mark.parametrize("path", ["common/common.cpp", "tools/llama-bench/llama-bench.cpp"])
+def test_each_tool_calls_the_apply_entry_once(path):
+    """In the patched tree (skipped without one): one call of llama_model_moe_apply per tool."""
+    from pybmoe.build import vendor
+    root = EXT.parent
+    lc = vendor.tree_dir(root, vendor.load_pin(root)) / vendor.load_pin(root).subdir
+    if not (lc / path).is_file():
+        pytest.skip(f"no patched tree: {lc / path} is absent (run `pybmoe vendor` or a build)")
+    code = re.sub(r"//[^\n]*", "", (lc / path).read_text())
+    assert len(re.findall(r"\bllama_model_moe_apply\s*\(", code)) == 1

@@ -5,13 +5,14 @@ move the speed (a refactor) within noise? (docs/benchmarks.md, "Two engines at t
 Each round runs :func:`pybmoe.bench.stream.bench_stream` once per engine, A then B, alternating which goes
 first: the ``defaults`` point (``--moe-stream-cache-mb auto`` and nothing else of the tier) beside stock
 ``mmap``, under a cgroup limit of the file's size divided by ``--factor``, from a cold page cache, with
-``--trace`` replayed. An engine is a folder of the installed layout (``DIR/pybmoe/bin/llama-bench`` beside
+``--trace`` replayed; with ``--server`` also ``llama-server`` at its own defaults, one client (the row
+``server``, ``tg``: request-level decode tok/s). An engine is a folder of the installed layout (``DIR/pybmoe/bin/llama-bench`` beside
 ``DIR/llama_cpp/lib``), or ``installed`` for this Python's package; it is picked by ``PYBMOE_BIN_DIR``.
 
 Writes ``OUT/ab-runs.csv`` (one row per engine, round and mode: tok/s, hit %) and ``OUT/ab-summary.csv``
 (per engine and mode: the median tok/s over rounds and B / A), and prints the summary.
 
-Usage: tools/bench-engine-ab.py MODEL.gguf --trace T.csv --a DIR --b installed --out DIR [--rounds 3]
+Usage: tools/bench-engine-ab.py MODEL.gguf --trace T.csv --a DIR --b installed --out DIR [--rounds 3] [--server]
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ MIB = 2**20
 
 
 def run(model: Path, trace: Path, bin_dir: str, out: Path, limit: int, a) -> pd.DataFrame:
+    """One engine's round: llama-bench's points (point, mode, median_ts, median_hit_pct), and with
+    ``--server`` the server point at its defaults, one client, as the row (server, tg)."""
     old = os.environ.get("PYBMOE_BIN_DIR")
     if bin_dir != "installed":
         os.environ["PYBMOE_BIN_DIR"] = str(Path(bin_dir) / "pybmoe" / "bin")
@@ -36,13 +39,17 @@ def run(model: Path, trace: Path, bin_dir: str, out: Path, limit: int, a) -> pd.
     try:
         res = stream.bench_stream(model, out, limit_mib=limit, budgets=[], n_prompt=a.n_prompt, n_gen=a.n_gen,
                                   n_gen_mmap=a.n_gen_mmap, repeats=1, threads=2, route_replay=trace,
-                                  include_resident=False, probe=False)
+                                  include_resident=False, probe=False, server=a.server, server_clients=(1,))
     finally:
         if old is None:
             os.environ.pop("PYBMOE_BIN_DIR", None)
         else:
             os.environ["PYBMOE_BIN_DIR"] = old
-    return res.summary
+    rows = res.summary[["point", "mode", "median_ts", "median_hit_pct"]]
+    if a.server and res.server_summary is not None and len(res.server_summary):
+        srv = res.server_summary.assign(mode="tg")[["point", "mode", "median_ts", "median_hit_pct"]]
+        rows = pd.concat([rows, srv], ignore_index=True)
+    return rows
 
 
 def main() -> int:
@@ -57,6 +64,7 @@ def main() -> int:
     ap.add_argument("-p", "--n-prompt", type=int, default=32)
     ap.add_argument("-n", "--n-gen", type=int, default=32)
     ap.add_argument("--n-gen-mmap", type=int, default=4)
+    ap.add_argument("--server", action="store_true", help="also llama-server at its defaults (one client) per round")
     a = ap.parse_args()
     if a.rounds < 1:
         ap.error(f"--rounds {a.rounds}; accepted: >= 1")

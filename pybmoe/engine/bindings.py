@@ -52,6 +52,17 @@ LLAMA_MOE_DENSE_AUTO = 3                   # anon or mmap, picked at load
 LLAMA_MOE_ERR = -1                         # refused or failed; the log line before says why
 LLAMA_MOE_ERR_BUSY = -2                    # a setter called while a graph is computed (during a generation)
 LLAMA_MOE_STREAM_IO_THREADS_MAX = 64       # the most read lanes the stream tier takes
+# llama_model_moe_apply's results (enum llama_moe_apply_status), those the bindings tell apart
+LLAMA_MOE_APPLY_OK = 0
+LLAMA_MOE_APPLY_ERR_CACHE_NO_ROOM = -3      # fixed slots do not fit a device
+LLAMA_MOE_APPLY_ERR_CACHE_OFF = -4          # strict: the cache asked for did not engage
+LLAMA_MOE_APPLY_ERR_CACHE_ADMIT = -5        # the admission window was refused
+LLAMA_MOE_APPLY_ERR_CACHE_UPLOAD = -6       # the upload budget is under one expert
+LLAMA_MOE_APPLY_ERR_STREAM_BUDGET = -7      # the budget cannot hold one layer step
+LLAMA_MOE_APPLY_ERR_STREAM_OFF = -8         # strict: the stream tier asked for did not engage
+LLAMA_MOE_APPLY_ERR_DENSE = -10             # the dense weights' policy could not be applied
+LLAMA_MOE_APPLY_ERR_TRACE = -11             # the routing trace cannot be written
+LLAMA_MOE_APPLY_ERR_REPLAY = -12            # the routing trace to replay was refused
 #: ``dense_weights=`` values and their llama-moe.h modes (``--dense-weights``)
 DENSE_POLICIES = {"mmap": LLAMA_MOE_DENSE_MMAP, "warm": LLAMA_MOE_DENSE_WARM, "anon": LLAMA_MOE_DENSE_ANON,
                   "auto": LLAMA_MOE_DENSE_AUTO}
@@ -114,6 +125,56 @@ class MoeStreamStatsC(ctypes.Structure):
         ("direct_io", ctypes.c_int32),
         ("prefetch_bytes", ctypes.c_uint64),
         ("prefetch_used", ctypes.c_uint64),
+    ]
+
+
+#: ``llama_moe_fit_measure_cb`` (llama-moe.h): the contexts' host bytes at (n_ctx, n_seq); the bindings pass none
+MoeFitMeasureC = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p)
+
+
+class MoeParamsC(ctypes.Structure):
+    """Mirror of ``struct llama_moe_params`` (ggml-ext/llama-moe.h): every tier option, for
+    ``llama_model_moe_apply``. Start from ``llama_moe_default_params()``."""
+
+    _fields_ = [
+        ("cache_slots", ctypes.c_int32),
+        ("cache_inserts", ctypes.c_int32),
+        ("cache_floor_mib", ctypes.c_int32),
+        ("cache_ceil_mib", ctypes.c_int32),
+        ("cache_max_batch", ctypes.c_int32),
+        ("cache_admit_window", ctypes.c_int32),
+        ("cache_warmup", ctypes.c_int32),
+        ("cache_upload_mib", ctypes.c_int32),
+        ("cache_sync", ctypes.c_bool),
+        ("stream_mib", ctypes.c_int32),
+        ("stream_floor_mib", ctypes.c_int32),
+        ("stream_ceil_mib", ctypes.c_int32),
+        ("stream_io_threads", ctypes.c_int32),
+        ("dense_weights", ctypes.c_int32),
+        ("trace_path", ctypes.c_char_p),
+        ("route_replay_path", ctypes.c_char_p),
+        ("n_ubatch", ctypes.c_int32),
+        ("strict", ctypes.c_bool),
+        ("fit_measure", MoeFitMeasureC),
+        ("fit_user_data", ctypes.c_void_p),
+        ("fit_n_ctx", ctypes.c_uint32),
+        ("fit_n_seq", ctypes.c_uint32),
+        ("fit_n_ctx_min", ctypes.c_uint32),
+        ("fit_unified", ctypes.c_bool),
+        ("fit_user_sized", ctypes.c_bool),
+    ]
+
+
+class MoeApplyReportC(ctypes.Structure):
+    """Mirror of ``struct llama_moe_apply_report`` (ggml-ext/llama-moe.h): each tier's init result
+    (> 0 the layers it took, 0 inert, < 0 asked for and off), the fit's result, the context to create."""
+
+    _fields_ = [
+        ("cache", ctypes.c_int32),
+        ("stream", ctypes.c_int32),
+        ("fit", ctypes.c_int32),
+        ("n_ctx", ctypes.c_uint32),
+        ("n_seq", ctypes.c_uint32),
     ]
 
 
@@ -237,32 +298,20 @@ def _llama_lib() -> ctypes.CDLL:
         lib.llama_model_moe_cache_init.restype = ctypes.c_int32
         lib.llama_model_moe_cache_init_auto.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
         lib.llama_model_moe_cache_init_auto.restype = ctypes.c_int32
-        lib.llama_model_moe_cache_init_budget.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 4
-        lib.llama_model_moe_cache_init_budget.restype = ctypes.c_int32
         lib.llama_model_moe_cache_set_slots.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.llama_model_moe_cache_set_sync.argtypes = [ctypes.c_void_p, ctypes.c_bool]
         lib.llama_model_moe_cache_set_sync.restype = ctypes.c_int32
-        lib.llama_model_moe_cache_set_admit_window.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-        lib.llama_model_moe_cache_set_admit_window.restype = ctypes.c_int32
-        lib.llama_model_moe_cache_set_warmup.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-        lib.llama_model_moe_cache_set_warmup.restype = ctypes.c_int32
-        lib.llama_model_moe_cache_set_upload_budget_mib.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-        lib.llama_model_moe_cache_set_upload_budget_mib.restype = ctypes.c_int32
         lib.llama_model_moe_cache_set_slots.restype = ctypes.c_int32
         lib.llama_model_moe_cache_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeCacheStatsC)]
         lib.llama_model_moe_cache_get_stats.restype = ctypes.c_bool
-        lib.llama_model_moe_stream_init.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 5
-        lib.llama_model_moe_stream_init.restype = ctypes.c_int32
         lib.llama_model_moe_stream_set_budget_mib.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.llama_model_moe_stream_set_budget_mib.restype = ctypes.c_int32
         lib.llama_model_moe_stream_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeStreamStatsC)]
         lib.llama_model_moe_stream_get_stats.restype = ctypes.c_bool
-        lib.llama_model_moe_dense_weights.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-        lib.llama_model_moe_dense_weights.restype = ctypes.c_int32
-        lib.llama_model_moe_trace_open.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32]
-        lib.llama_model_moe_trace_open.restype = ctypes.c_int32
-        lib.llama_model_moe_route_replay_open.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32]
-        lib.llama_model_moe_route_replay_open.restype = ctypes.c_int32
+        lib.llama_moe_default_params.argtypes = []
+        lib.llama_moe_default_params.restype = MoeParamsC
+        lib.llama_model_moe_apply.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeParamsC), ctypes.POINTER(MoeApplyReportC)]
+        lib.llama_model_moe_apply.restype = ctypes.c_int32
         lib.llama_moe_stream_hint_lazy_load.argtypes = [ctypes.c_char_p]
         lib.llama_moe_stream_hint_lazy_load.restype = None
         _libs["llama"] = lib
@@ -673,10 +722,26 @@ def _before_load(plan: _LoadPlan, params) -> None:
     _llama_lib().llama_moe_stream_hint_lazy_load(os.fsencode(plan.path) if plan.stream_mb != 0 else None)
 
 
+def _moe_params(plan: _LoadPlan) -> MoeParamsC:
+    """The plan's tier options as ``struct llama_moe_params`` (strict: a tier asked for that does not
+    engage is an error). The paths' bytes live as long as the struct."""
+    p = _llama_lib().llama_moe_default_params()
+    p.cache_slots, p.cache_inserts = plan.slots, plan.inserts
+    p.cache_floor_mib, p.cache_ceil_mib = plan.floor_mb, plan.ceil_mb
+    p.cache_admit_window, p.cache_warmup, p.cache_upload_mib = plan.admit_window, plan.warmup, plan.upload_mb
+    p.cache_sync = plan.sync
+    p.stream_mib, p.stream_floor_mib, p.stream_ceil_mib = plan.stream_mb, plan.stream_floor, plan.stream_ceil
+    p.stream_io_threads, p.dense_weights = plan.io_threads, plan.dense_mode
+    p.trace_path = os.fsencode(plan.trace_path) if plan.trace_path is not None else None
+    p.route_replay_path = os.fsencode(plan.replay_path) if plan.replay_path is not None else None
+    p.n_ubatch, p.strict = plan.n_ubatch, True
+    return p
+
+
 def _after_load(plan: _LoadPlan, model) -> None:
     """The engine's after-load sequence on ``model`` (a loaded ``llama_cpp._internals.LlamaModel``),
-    before any context: the expert cache, the stream tier, the dense policy, the trace, the replay,
-    in llama-server's order.
+    before any context: ``llama_model_moe_apply``, the one entry llama-server and llama-bench call
+    too (the expert cache, the stream tier, the dense policy, the trace, the replay, in that order).
 
     Raises:
         ValueError: a tier asked for that does not engage, or a trace the engine refuses; the
@@ -687,68 +752,47 @@ def _after_load(plan: _LoadPlan, model) -> None:
     """
     lib, m, asked = _llama_lib(), model.model, plan.asked
     mark = _log_mark()  # the reasons below are the tiers' lines, not the loader's
-
-    def fail(msg: str, reason: bool = True):
+    params, rep = _moe_params(plan), MoeApplyReportC()
+    rc = lib.llama_model_moe_apply(m, ctypes.byref(params), ctypes.byref(rep))
+    cache = f"moe_expert_cache={asked['moe_expert_cache']!r}"
+    stream = f"moe_stream_cache_mb={asked['moe_stream_cache_mb']!r}"
+    if rc == LLAMA_MOE_APPLY_ERR_CACHE_OFF and not plan.device_names:
+        msg = (f"{cache} needs a device to hold the slots, and this model has none: this build has no GPU "
+               "backend and no rpc_servers were given; pass rpc_servers='host:port' (a ggml-rpc-server, the "
+               "loopback device of the README) or install a GPU build (CMAKE_ARGS=\"-DGGML_CUDA=ON\" pip "
+               "install .)")
         model.close()
-        return ValueError(_with_reason(msg, mark) if reason else msg)
-
-    def inert(flag: str) -> None:
-        # as llama-server: the flag is inert, and says so (a WARN line there). The frames up to the
-        # caller: this one, _after_load, the _model setter, llama_cpp.Llama.__init__, Llama.__init__
-        warnings.warn(f"{flag}={asked[flag]!r} is inert: the model has no MoE layers", RuntimeWarning, stacklevel=6)
-
-    # the cache belongs to the model: enable it before the context reserves its graphs
+        raise ValueError(msg)
+    why = {  # each built only for its result (a path is None unless asked for)
+        LLAMA_MOE_APPLY_ERR_CACHE_NO_ROOM: lambda: f"{cache} does not fit the device's free memory minus "
+                                                   f"moe_expert_cache_floor_mb={plan.floor_mb} MiB",
+        LLAMA_MOE_APPLY_ERR_CACHE_OFF: lambda: f"{cache} was requested but the expert cache did not engage on "
+                                               f"{', '.join(plan.device_names)} (no host-resident MoE layer with a "
+                                               "device-resident router: give n_gpu_layers and cpu_moe; or no room)",
+        LLAMA_MOE_APPLY_ERR_CACHE_ADMIT: lambda: f"moe_expert_cache_admit={asked['moe_expert_cache_admit']!r} was refused",
+        LLAMA_MOE_APPLY_ERR_CACHE_UPLOAD: lambda: f"moe_expert_cache_upload_mb={plan.upload_mb} is under one expert",
+        LLAMA_MOE_APPLY_ERR_STREAM_BUDGET: lambda: f"{stream} is under the mechanical minimum at n_ubatch={plan.n_ubatch}",
+        LLAMA_MOE_APPLY_ERR_STREAM_OFF: lambda: f"{stream} was requested but the stream tier did not engage",
+        LLAMA_MOE_APPLY_ERR_DENSE: lambda: f"dense_weights={asked['dense_weights']!r} could not be applied",
+        LLAMA_MOE_APPLY_ERR_TRACE: lambda: f"moe_trace={os.fspath(asked['moe_trace'])!r}: cannot write the routing "
+                                           "trace there",
+        LLAMA_MOE_APPLY_ERR_REPLAY: lambda: f"moe_route_replay={os.fspath(asked['moe_route_replay'])!r}: the engine "
+                                            "refused the routing trace",
+    }
+    if rc != LLAMA_MOE_APPLY_OK:
+        model.close()
+        msg = why[rc]() if rc in why else f"the engine's after-load sequence failed (llama_model_moe_apply: {rc})"
+        raise ValueError(_with_reason(msg, mark))
+    # as llama-server: a flag on a model with no MoE layers is inert, and says so (a WARN line there). The
+    # frames up to the caller: this one, the _model setter, llama_cpp.Llama.__init__, Llama.__init__
+    for flag, asked_for, result in (("moe_expert_cache", plan.slots != 0, rep.cache),
+                                    ("moe_stream_cache_mb", plan.stream_mb != 0, rep.stream)):
+        if asked_for and result == 0:
+            warnings.warn(f"{flag}={asked[flag]!r} is inert: the model has no MoE layers", RuntimeWarning, stacklevel=5)
     if plan.slots != 0:
-        cache = f"moe_expert_cache={asked['moe_expert_cache']!r}"
-        rc = lib.llama_model_moe_cache_init_budget(m, plan.slots, plan.inserts, plan.floor_mb, plan.ceil_mb)
-        if rc == LLAMA_MOE_CACHE_ERR_NO_ROOM:
-            raise fail(f"{cache} does not fit the device's free memory minus moe_expert_cache_floor_mb="
-                       f"{plan.floor_mb} MiB")
-        if rc == 0:
-            inert("moe_expert_cache")
-        if rc < 0 and not plan.device_names:
-            raise fail(f"{cache} needs a device to hold the slots, and this model has none: this build has no GPU "
-                       "backend and no rpc_servers were given; pass rpc_servers='host:port' (a ggml-rpc-server, the "
-                       "loopback device of the README) or install a GPU build (CMAKE_ARGS=\"-DGGML_CUDA=ON\" pip "
-                       "install .)", reason=False)
-        if rc < 0:
-            raise fail(f"{cache} was requested but the expert cache did not engage on "
-                       f"{', '.join(plan.device_names)} (no host-resident MoE layer with a device-resident router: "
-                       "give n_gpu_layers and cpu_moe; or no room)")
-        if plan.sync:
-            lib.llama_model_moe_cache_set_sync(m, True)
-        if plan.admit_window:
-            lib.llama_model_moe_cache_set_admit_window(m, plan.admit_window)
-        if plan.warmup:
-            lib.llama_model_moe_cache_set_warmup(m, plan.warmup)
-        if plan.upload_mb and lib.llama_model_moe_cache_set_upload_budget_mib(m, plan.upload_mb) < 0:
-            raise fail(f"moe_expert_cache_upload_mb={plan.upload_mb} is under one expert")
         st = MoeCacheStatsC()
         if lib.llama_model_moe_cache_get_stats(m, ctypes.byref(st)):
             plan.slots_allocated = st.n_slots
-    if plan.stream_mb != 0:
-        stream = f"moe_stream_cache_mb={asked['moe_stream_cache_mb']!r}"
-        rc = lib.llama_model_moe_stream_init(m, plan.stream_mb, plan.stream_floor, plan.stream_ceil, plan.io_threads,
-                                             plan.n_ubatch)
-        if rc == LLAMA_MOE_STREAM_ERR_BUDGET:
-            raise fail(f"{stream} is under the mechanical minimum at n_ubatch={plan.n_ubatch}")
-        if rc < 0:
-            raise fail(f"{stream} was requested but the stream tier did not engage")
-        if rc == 0:
-            inert("moe_stream_cache_mb")
-    if plan.dense_mode == LLAMA_MOE_DENSE_AUTO:
-        apply_dense = plan.stream_mb != 0
-    else:
-        apply_dense = plan.dense_mode != LLAMA_MOE_DENSE_MMAP
-    if apply_dense and lib.llama_model_moe_dense_weights(m, plan.dense_mode) < 0:
-        raise fail(f"dense_weights={asked['dense_weights']!r} could not be applied")
-    # the trace and the replay belong to the model too, after the tiers (as in llama-server)
-    if plan.trace_path is not None and lib.llama_model_moe_trace_open(
-            m, os.fsencode(plan.trace_path), plan.n_ubatch) < 0:
-        raise fail(f"moe_trace={os.fspath(asked['moe_trace'])!r}: cannot write the routing trace there")
-    if plan.replay_path is not None and lib.llama_model_moe_route_replay_open(
-            m, os.fsencode(plan.replay_path), plan.n_ubatch) < 0:
-        raise fail(f"moe_route_replay={os.fspath(asked['moe_route_replay'])!r}: the engine refused the routing trace")
 
 
 class Llama(llama_cpp.Llama):
@@ -869,7 +913,8 @@ class Llama(llama_cpp.Llama):
         if dense_weights not in DENSE_POLICIES:
             raise ValueError(f"dense_weights={dense_weights!r} is invalid; accepted: {', '.join(DENSE_POLICIES)}")
         asked = {"moe_expert_cache": moe_expert_cache, "moe_stream_cache_mb": moe_stream_cache_mb,
-                 "dense_weights": dense_weights, "moe_trace": moe_trace, "moe_route_replay": moe_route_replay}
+                 "moe_expert_cache_admit": moe_expert_cache_admit, "dense_weights": dense_weights,
+                 "moe_trace": moe_trace, "moe_route_replay": moe_route_replay}
         plan = _LoadPlan(
             os.fspath(model_path), asked,
             slots=_check_count("moe_expert_cache", moe_expert_cache, auto=LLAMA_MOE_CACHE_AUTO),

@@ -89,11 +89,14 @@ def test_pybmoe_own_bindings_match_llama_moe_h():
     lib = bindings._llama_lib()
     fns = [abi.Function(n, tuple(f.argtypes), f.restype) for n, f in sorted(vars(lib).items())
            if n.startswith("llama_") and "moe" in n and isinstance(f, ctypes._CFuncPtr)]
-    assert len(fns) >= 14, [f.name for f in fns]
+    assert len(fns) >= 10, [f.name for f in fns]
+    assert {"llama_moe_default_params", "llama_model_moe_apply"} <= {f.name for f in fns}
     structs = [abi.Struct("llama_moe_cache_stats", bindings.MoeCacheStatsC),
-               abi.Struct("llama_moe_stream_stats", bindings.MoeStreamStatsC)]
+               abi.Struct("llama_moe_stream_stats", bindings.MoeStreamStatsC),
+               abi.Struct("llama_moe_params", bindings.MoeParamsC),
+               abi.Struct("llama_moe_apply_report", bindings.MoeApplyReportC)]
     rep = _check(fns, structs, lc, ROOT / "ggml-ext" / "llama-moe.h")
-    assert rep.functions == len(fns) and rep.structs == 2
+    assert rep.functions == len(fns) and rep.structs == 4
     assert rep.ok, "\n".join(map(str, rep.mismatches))
 
 

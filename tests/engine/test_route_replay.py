@@ -132,7 +132,8 @@ def test_llama_bench_names_why_a_trace_is_refused(model_q8, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert lines[-2].startswith(f"llama_model_moe_route_replay_open: moe-route-replay: {bad}: line 2 is not a trace row ("), \
         lines[-3:]
-    assert lines[-1].endswith(f"error: cannot replay the routing trace {bad}")
+    # the apply entry's line, which names the flag's file, comes last (both are ERROR lines, which pass its log)
+    assert lines[-1] == f"llama_model_moe_apply: cannot replay the routing trace {bad} (see above)", lines[-3:]
     # a file that is not there says so (it said only "cannot read FILE")
     r = subprocess.run([*cmd[:-1], str(tmp_path / "missing.csv")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and f"moe-route-replay: cannot read {tmp_path / 'missing.csv'}: No such file or directory" \

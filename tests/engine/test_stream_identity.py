@@ -453,10 +453,12 @@ def test_a_file_unreadable_after_load_turns_the_tier_off_loudly_naming_it(tmp_pa
         "m = llama_cpp.llama_model_load_from_file(p.encode(), mp)\n"
         "assert m\n"
         "os.rename(p, p + '.moved')\n"
-        "rc = lib.llama_model_moe_stream_init(m, 4, 1536, 0, bindings.LLAMA_MOE_STREAM_IO_THREADS_DEFAULT, 1)\n"
+        "mo = lib.llama_moe_default_params(); mo.stream_mib = 4; mo.stream_floor_mib = 1536; mo.n_ubatch = 1\n"
+        "mo.strict = True\n"
+        "rc = lib.llama_model_moe_apply(m, ctypes.byref(mo), None)\n"
         "print('rc', rc, flush=True)\n")
     r = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"rc {bindings.LLAMA_MOE_ERR}" in r.stdout, r.stdout
+    assert f"rc {bindings.LLAMA_MOE_APPLY_ERR_STREAM_OFF}" in r.stdout, r.stdout
     assert f"moe-stream: cannot open {copy}" in r.stderr and "No such file or directory" in r.stderr
     assert "the stream tier is OFF" in r.stderr
