@@ -1,7 +1,8 @@
 """The installed tools as the README and docs/ show them (issue 26): every command line of
 ``pybmoe-make-synth``, ``pybmoe-bw``, ``pybmoe-logits``, ``pybmoe bin``, ``pybmoe make-model`` and
-``pybmoe --help`` in README.md and docs/*.md (fenced shell blocks and inline code) is found here and
-run as written, by the console scripts ``pip install .`` makes from ``pyproject.toml``.
+``pybmoe --help`` in README.md and docs/ (every page, each run's README under docs/benchmarks/ too; fenced
+shell blocks and inline code) is found here and run as written, by the console scripts ``pip install .``
+makes from ``pyproject.toml``.
 
 The console scripts are made the way pip makes them (import the entry point's module, call its
 function) into a folder first on PATH, over this checkout (``PYTHONPATH``), so a command runs what
@@ -25,7 +26,7 @@ import pytest
 from pybmoe import engine, models
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/benchmarks/<run>/README.md too
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 
 #: What a command starts with to be one of the installed tools' (this file's scope).
@@ -36,7 +37,8 @@ REFERENCES = {"pybmoe-make-synth", "pybmoe-bw", "pybmoe-logits", "pybmoe make-mo
 FRAGMENTS = {
     'pybmoe-logits -p "The quick brown fox" -n 24 -c 512 -t 2 --fit off -ngl 99 --cpu-moe --no-repack':
         "docs/backends.md: the Vulkan identity run's flags; the models are the table's",
-    "pybmoe-logits -p Hello -n 1": "docs/benchmarks.md: a heading naming the load run of models A-C",
+    "pybmoe-logits -p Hello -n 1":
+        "docs/benchmarks/stream-defaults-2026-12-03/README.md: a heading naming the load run of models A-C",
 }
 #: The model writers: a command of theirs that writes a model (an OUT, no --dry-run) runs as written in the
 #: slow set; the fast set adds --dry-run (the big ones write gigabytes).

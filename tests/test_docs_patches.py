@@ -17,7 +17,7 @@ from pybmoe.build import patches, vendor
 from pybmoe.cli import patches as patches_cli
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/benchmarks/<run>/README.md too
 
 
 def _table(text: str) -> str:

@@ -11,7 +11,7 @@ token, the wasted uploads (dropped, or evicted before any hit) per token, the ho
 token (misses + uploads: a miss is computed from the expert's bytes in host memory, an upload
 copies them from there, so both read one expert from host RAM), and the upload MiB per token
 at ``--expert-mib`` MiB per expert (default 1.59: the granite-shaped q8_0 model of
-docs/benchmarks.md). Writes ``OUT/admission.csv`` (one row per trace, slots and rule) and
+docs/benchmarks/vram-async-2026-12-02/README.md). Writes ``OUT/admission.csv`` (one row per trace, slots and rule) and
 ``OUT/admission.png``.
 
     python tools/bench-admission.py --out docs/benchmarks/admission-2026-12-02

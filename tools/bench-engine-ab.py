@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Two builds of the engine at the disk tier's defaults point, interleaved: is a change that should not
-move the speed (a refactor) within noise? (docs/benchmarks.md, "Two engines at the defaults").
+move the speed (a refactor) within noise? (docs/benchmarks/engine-ab-2026-12-06/README.md).
 
 Each round runs :func:`pybmoe.bench.stream.bench_stream` once per engine, A then B, alternating which goes
 first: the ``defaults`` point (``--moe-stream-cache-mb auto`` and nothing else of the tier) beside stock

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The disk tier as the server runs it, at its defaults, against llama-bench's defaults point and stock
-mmap (docs/benchmarks.md, "The server at its defaults").
+mmap (docs/benchmarks/server-sweep-2026-12-06/README.md).
 
 For every model (``NAME=MODEL.gguf``, its routings ``--traces DIR/uniform-NAME.csv`` and
 ``DIR/granite-NAME.csv``), limit factor (the cgroup limit is the file's size divided by it) and routing,
@@ -110,7 +110,8 @@ def run_answers(name: str, model: Path, out: Path, a) -> list[dict]:
 
 
 def markdown(df: pd.DataFrame) -> str:
-    """The sweep as docs/benchmarks.md shows it: decode tok/s and the ratios, one row per setting."""
+    """The sweep as docs/benchmarks/server-sweep-2026-12-06/README.md shows it: decode tok/s and the ratios,
+    one row per setting."""
     head = ("| model | limit | routing | limit MiB | stock mmap | llama-bench defaults | server, 1 client | x mmap | "
             "x llama-bench | server, 4 clients | 4 / 1 | the server's context | budget / cycle MiB | hit % | "
             "first token s |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|\n")

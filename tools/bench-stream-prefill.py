@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Prefill at the disk tier's defaults against stock mmap, and the scan guard against plain LRU
-(docs/benchmarks.md, "Prefill at the defaults").
+(docs/benchmarks/stream-prefill-2026-12-04/README.md and the runs after it).
 
 For every model (``NAME=MODEL.gguf``; its routing traces are ``--traces DIR/ROUTING-NAME.csv``), every
 limit factor (the cgroup limit is the file's size divided by it) and every routing, ``--repeats``

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The disk tier's defaults against stock mmap and a sweep of fixed budgets (docs/benchmarks.md,
-"The disk tier at its defaults").
+"""The disk tier's defaults against stock mmap and a sweep of fixed budgets
+(docs/benchmarks/stream-defaults-2026-12-03/README.md).
 
 For every model given (``NAME=MODEL.gguf``, with ``NAME`` naming its two routing traces
 ``--traces DIR/uniform-NAME.csv`` and ``DIR/granite-NAME.csv``), every limit factor (the cgroup limit

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How fast can a prefill pass read a layer's experts? (docs/stream-tier.md, "Not done yet")
+"""How fast can a prefill pass read a layer's experts? (docs/benchmarks/span-reads-2026-12-05/README.md)
 
     python tools/probe-scan-reads.py MODEL.gguf [FRACTION]      # FRACTION of each layer's experts, default 0.87
 

@@ -21,7 +21,7 @@ all their projections, consecutive experts merged into one read as the tier's ``
 them, the lanes taking the step's reads one by one and meeting at its end. That is the pattern of the
 tier's decode misses (one layer's experts close together in the file, a few reads per step, the lanes
 idle at each step's tail), which the random pattern lacks. Measured against the tier's own decode
-reads (``docs/benchmarks.md``, "Decode at the defaults: the dense rule"), it is steadier than the
+reads (``docs/benchmarks/stream-dense-auto-2026-12-05/README.md``), it is steadier than the
 random probe (638-1720 against 637-3687 MiB/s over one 18-setting run) but no closer to the tier's
 rate, which swings by up to 3x between two runs of the same reads: the prediction was within 20 % at
 15 of 36 points with it, 19 of 36 with the random probe, which stays the prediction's default.

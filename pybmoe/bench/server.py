@@ -1,6 +1,6 @@
 """The disk tier as ``llama-server`` runs it: request-level figures at the server's own defaults,
-under a memory limit (``pybmoe bench-stream --server``; ``docs/benchmarks.md``, "The server at its
-defaults").
+under a memory limit (``pybmoe bench-stream --server``;
+``docs/benchmarks/server-sweep-2026-12-06/README.md``).
 
 One point, ``server``: ``llama-server -m MODEL --moe-stream-cache-mb auto`` and nothing else of the
 tier (its own context: the model's trained context, 4 slots sharing one KV cache, fitted beside the

@@ -73,7 +73,7 @@ Both are NaN without a ``resident`` point or a probe. The token counts include l
 (one token or one prompt, read from an empty cache), so a short run's misses per token are high and
 its limit low; compare points of one run. The probe reads as decode's misses are read; prefill reads
 longer runs, part of them behind compute (the prefetch), so a prefill run can beat its limit
-(``docs/benchmarks.md``, "Prefill at the defaults at 3x, with each run's limit").
+(``docs/benchmarks/stream-prefill-limits-2026-12-05/README.md``).
 
 Where cgroups cannot be created (not root, no memory controller) the benchmark says so and runs
 without a limit; where the page cache cannot be dropped it says so and runs warm.

@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "default: the whole trace")
     st.add_argument("--step-overhead-ms", type=float, default=sizing.STREAM_STEP_OVERHEAD_MS,
                     help="the tier's own time per layer step beside its reads (default %(default)s ms, measured: "
-                         "docs/benchmarks.md)")
+                         "docs/benchmarks/stream-defaults-2026-12-03/README.md)")
     st.add_argument("--resident-tok-s", type=float, default=None,
                     help="measured decode tok/s with every expert in RAM (the compute part of a token)")
     st.add_argument("--ram-mib-s", type=float, default=None,

@@ -159,7 +159,7 @@ class StreamPrediction:
 
 #: The stream tier's own time per streamed layer step, beside its reads (ms): the op's bookkeeping, waking
 #: the read lanes, giving evicted pages back and the first touch of the pages a read filled. Measured on
-#: this project's 2-core machine (docs/benchmarks.md, "The disk tier at its defaults": a token's time
+#: this project's 2-core machine (docs/benchmarks/stream-defaults-2026-12-03/README.md: a token's time
 #: less its io wait and its all-resident compute, over the 24 layers of a 4 GiB qwen3moe model).
 STREAM_STEP_OVERHEAD_MS = 1.0
 
