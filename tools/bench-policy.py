@@ -273,7 +273,7 @@ def run_trace(st: Study, lcs, tmp: str, points: int, ms: list[int], oracle_rows:
     rp = sim.prepare(st.trace)
     rows = []
     for b in st.budgets(points):
-        g = sim.simulate(rp, "global-lru", budget_entries=b, phase="decode", backend="c")
+        g = sim.simulate(rp, "global-lru", budget_entries=b, phase="decode")
         g_hits = int(g.summary["hits"].sum())
         scan = int(sim.simulate(rp, "global-lru-scan", budget_entries=b, phase="decode").summary["hits"].sum())
         if scan != g_hits:

@@ -9,8 +9,10 @@ The trace is prepared once, before any timing (sort orders, units, the static po
 what every budget shares, as in a sweep). Each policy is timed ``--repeat`` times at each
 budget; the median is reported.
 
-    python tools/bench-sim.py                      # ~8 M events per run, the compiled core
-    python tools/bench-sim.py --backend python --tokens 2000
+    python tools/bench-sim.py                      # ~8 M events per run
+    python tools/bench-sim.py --tokens 2000 --policies layer-lru,pool
+
+The replay runs in the compiled core (pybmoe/routing/_simcore.c), its only implementation.
 """
 from __future__ import annotations
 
@@ -58,11 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stick", type=float, default=0.45, help="share of experts kept from the previous token")
     ap.add_argument("--slots", default="8,32,96", help="budgets in slots per layer (default %(default)s)")
     ap.add_argument("--policies", default=",".join(sim.POLICIES), help="policies (default: all)")
-    ap.add_argument("--backend", choices=sim.BACKENDS, default="auto", help="replay core (default %(default)s)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per point; the median counts (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--csv", type=Path, default=Path("out/bench-sim.csv"), help="CSV output (default %(default)s)")
     a = ap.parse_args(argv)
+    try:
+        sim.require_core()
+    except sim.CoreError as e:
+        print(f"bench-sim: {e}", file=sys.stderr)
+        return 2
 
     t0 = time.perf_counter()
     per = a.tokens // a.workloads
@@ -78,22 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     rp.overlap()
     t_prep = time.perf_counter() - t0
     n = rp.n_rows
-    backend = "c" if a.backend != "python" and sim.have_core() else "python"
-    core = f" ({sim.core_path()})" if backend == "c" else ""
     print(f"trace: {n:,} events ({a.workloads} workloads x {per} tokens x {a.layers} layers x top-{a.top_k} of "
           f"{a.experts}); generated in {t_gen:.1f} s, prepared in {t_prep:.2f} s ({n / t_prep / 1e6:.1f} M events/s); "
-          f"backend {backend}{core}")
+          f"core {sim.core_path()}")
     rows = []
     for p in a.policies.split(","):
         for s in (int(x) for x in a.slots.split(",")):
             times = []
             for _ in range(a.repeat):
                 t0 = time.perf_counter()
-                r = sim.simulate(rp, p, slots_per_layer=s, backend=a.backend)
+                r = sim.simulate(rp, p, slots_per_layer=s)
                 times.append(time.perf_counter() - t0)
             med = statistics.median(times)
             rows.append({"policy": p, "slots_per_layer": s, "events": n, "seconds": med, "events_per_s": n / med,
-                         "hit_rate": r.hit_rate, "backend": backend, "layers": a.layers, "experts": a.experts,
+                         "hit_rate": r.hit_rate, "layers": a.layers, "experts": a.experts,
                          "top_k": a.top_k, "tokens": a.tokens, "machine": platform.machine(),
                          "python": platform.python_version()})
             print(f"  {p:10s} slots {s:4d}: {n / med / 1e6:7.2f} M events/s  ({med * 1e3:7.1f} ms, hit {100 * r.hit_rate:5.1f}%)",

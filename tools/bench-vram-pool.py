@@ -94,7 +94,7 @@ def run(name: str, t: tr.Trace) -> pd.DataFrame:
     rows = []
     for s in slot_budgets(rp.top_k, rp.n_expert):
         for label, (policy, guard, timing) in LABELS.items():
-            r = sim.simulate(rp, policy, slots_per_layer=s, phase="decode", guard=guard, timing=timing, backend="c")
+            r = sim.simulate(rp, policy, slots_per_layer=s, phase="decode", guard=guard, timing=timing)
             acc, hits = int(r.summary["accesses"].sum()), int(r.summary["hits"].sum())
             hit = (r.predicted == 1) & r.counted
             per_layer = (np.bincount(rp.lay[r.counted], weights=hit[r.counted], minlength=rp.n_layer)
@@ -225,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "vram-pool-sim")
     ap.add_argument("--synth-steps", type=int, default=1024, help="tokens of each synthetic trace (default %(default)s)")
     a = ap.parse_args(argv)
-    if not sim.have_core():
-        print("no compiled replay core (gcc -O2 -shared -fPIC -o pybmoe/routing/_simcore.so "
-              "pybmoe/routing/_simcore.c)", file=sys.stderr)
+    try:
+        sim.require_core()
+    except sim.CoreError as e:
+        print(f"bench-vram-pool: {e}", file=sys.stderr)
         return 2
     frames = []
     for name, t in traces(a.real_traces, a.synth_steps).items():

@@ -121,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--verify", action="store_true",
                     help="compare the layer-lru replay with the trace's own hit column, event for event; "
                          "exit 1 on any difference (default budget: the header's slots)")
-    ap.add_argument("--backend", choices=sim.BACKENDS, default="auto", help="replay core (default %(default)s)")
+    ap.add_argument("--backend", choices=sim.BACKENDS, default="auto",
+                    help="replay core: auto and c both name the compiled core, the only one (default %(default)s)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     err = sys.stderr

@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           ram_mib_s=a.ram_mib_s, step_overhead_ms=a.step_overhead_ms,
                                           tokens=None if a.n_gen is None else a.n_gen + 1,
                                           skip=0 if a.n_gen is None else 1)
-            except ValueError as e:
+            except (OSError, ValueError) as e:
                 print(f"pybmoe size: error: {e}", file=sys.stderr)
                 return 2
             print(f"  --moe-stream-cache-mb {mb:g}: {p.budget_entries} experts (+{p.window_experts} of the prefetch "

@@ -3,8 +3,8 @@
 - :mod:`.trace`: the trace formats (engine CSV, Parquet, granite JSON, JSONL) and their statistics;
 - :mod:`.synth`: long synthetic traces that keep a short real trace's reuse;
 - :mod:`.sim`: replay of cache policies over a trace (``layer-lru`` is the engine's policy,
-  exactly), with its compiled core ``_simcore.c`` (loaded with ctypes from ``_simcore.so`` next
-  to :mod:`.sim`; pure Python otherwise);
+  exactly), in its compiled core ``_simcore.c`` (``_simcore.so`` next to :mod:`.sim`, loaded
+  with ctypes; the only implementation of the replay);
 - :mod:`.sizing`: the slots-per-layer recommendation (the rules the engine's ``auto`` follows);
 - :mod:`.granite`: the bundled granite trace and its form for ``--moe-route-replay``.
 

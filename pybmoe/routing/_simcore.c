@@ -1,15 +1,20 @@
-// pybmoe/routing/_simcore.c: the compiled replay core of pybmoe.routing.sim, loaded with ctypes.
+// pybmoe/routing/_simcore.c: the replay core of pybmoe.routing.sim, loaded with ctypes; the one
+// implementation of the replay (pybmoe/routing/sim.py has no other). CMakeLists.txt builds it as the
+// target pybmoe_simcore and installs it next to sim.py, so every `pip install .` has it.
 //
-// Two entry points, each the exact twin of a pure-Python function in pybmoe/routing/sim.py (the
-// tests check that both give identical results on random traces and unit streams:
-// tests/routing/test_sim.py, tests/routing/test_sim_core.py):
+// Three entry points, each held to the plain statement of its rule in the tests' oracle
+// (tests/routing/lru_oracle.py): identical results and counters on random traces and unit streams
+// (tests/routing/test_sim.py, test_sim_core.py, test_admission.py, test_pool.py):
 //
-//   pybmoe_sim_layer_lru_admit <-> sim._layer_lru_py the engine's per-layer policy, with its upload lag,
-//                                                 and an admission rule (always / second miss)
-//   pybmoe_sim_layer_lru  (the same with admission always and two counters, for older callers)
-//   pybmoe_sim_global     <->  sim._global_py      global-lru(-scan), fifo, lfu, belady over (layer, expert)
-//   pybmoe_sim_pool       <->  sim._pool_py        the VRAM tier's pool: one bank over (layer, expert) entries,
-//                                                 sync or instant, LRU or ClassLRU, a per-layer guard
+//   pybmoe_sim_layer_lru_admit <-> lru_oracle.layer_lru      the engine's per-layer policy, with its upload
+//                                                            lag, and an admission rule (always / second miss)
+//   pybmoe_sim_global          <-> lru_oracle.global_policy  global-lru(-scan), fifo, lfu, belady over
+//                                                            (layer, expert)
+//   pybmoe_sim_pool            <-> lru_oracle.pool           the VRAM tier's pool: one bank over (layer,
+//                                                            expert) entries, sync or instant, LRU or
+//                                                            ClassLRU, a per-layer guard
+//
+// and pybmoe_sim_crf_decay, ClassLRU's decay table, for the tests (see there) and no other caller.
 //
 // The event stream is cut into units: a unit is one layer's lookups in one ubatch (all its
 // tokens, router order), `unit_start[u] .. unit_start[u + 1]` in the event arrays. A unit flagged
@@ -35,6 +40,8 @@ int32_t pybmoe_simcore_version(void) {
               // 4: global-lru-scan, and pybmoe_sim_global's n_layer
               // 5: pybmoe_sim_global's lend (the stream tier's prefetch window, lent to decode)
               // 6: pybmoe_sim_pool (the VRAM tier's pool) and pybmoe_sim_crf_decay
+              // (pybmoe_sim_layer_lru, version 2's entry point, was later removed without a new version:
+              // sim.py never called it, and a version 6 library built before has every entry point it calls)
 }
 
 // ---------------------------------------------------------------- indexed min-heap of ids
@@ -275,18 +282,6 @@ int32_t pybmoe_sim_layer_lru_admit(int64_t n_units, const int64_t * unit_start, 
 done:
     iheap_free(&h);
     free(resident); free(used); free(missmark); free(lastmiss); free(gothit); free(flight); free(misses); free(rs);
-    return rc;
-}
-
-// admission always, counters[0..1] only (version 2's entry point)
-int32_t pybmoe_sim_layer_lru(int64_t n_units, const int64_t * unit_start, const uint8_t * unit_flags,
-                             const int32_t * expert, int32_t n_expert, int32_t slots, int32_t cap,
-                             int32_t staging, int8_t * out, int64_t * counters) {
-    int64_t c[3] = { 0, 0, 0 };
-    const int32_t rc = pybmoe_sim_layer_lru_admit(n_units, unit_start, unit_flags, expert, n_expert, slots, cap,
-                                                  staging, 0, out, c);
-    counters[0] += c[0];
-    counters[1] += c[1];
     return rc;
 }
 
@@ -963,7 +958,7 @@ int32_t pybmoe_sim_global(int32_t policy, int64_t n_units, const int64_t * unit_
 #define SIM_CRF_CLASSES 8
 #define SIM_CRF_FRAC 24
 
-// 2^30 * 2^(-j / 128), rounded (sim.CRF_DECAY; the tests compare the two)
+// 2^30 * 2^(-j / 128), rounded (lru_oracle.CRF_DECAY computes it; the tests compare the two)
 static const uint32_t sim_crf_decay[SIM_CRF_HALF_LIFE] = {
     1073741824u, 1067942999u, 1062175491u, 1056439131u, 1050733751u, 1045059183u, 1039415261u, 1033801819u,
     1028218693u, 1022665720u, 1017142735u, 1011649578u, 1006186087u, 1000752102u, 995347464u, 989972014u,
@@ -983,6 +978,8 @@ static const uint32_t sim_crf_decay[SIM_CRF_HALF_LIFE] = {
     560640218u, 557612438u, 554601009u, 551605844u, 548626854u, 545663953u, 542717053u, 539786068u,
 };
 
+// Only tests/routing/test_pool.py calls this: the table above is written out as literals, and the
+// replays reach only the ages their traces happen to have, so the test reads all 128 entries here.
 uint32_t pybmoe_sim_crf_decay(int32_t j) {
     return j >= 0 && j < SIM_CRF_HALF_LIFE ? sim_crf_decay[j] : 0;
 }

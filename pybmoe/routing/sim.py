@@ -66,17 +66,19 @@ Budgets (exactly one): ``slots_per_layer`` N, ``budget_entries`` N, ``fraction``
 from a GGUF ``model``). ``layer-lru`` gets ``budget_entries // n_layer`` slots per layer;
 results report the effective budget.
 
-Speed: a compiled core (``_simcore.c``, loaded with ctypes from ``_simcore.so`` next to this
-module) replays tens of millions of lookups per second; without it a pure-Python twin gives
-identical results, slowly. ``backend="c"`` / ``"python"`` force one.
+The replay runs in one implementation, the compiled core (``_simcore.c``, built and installed
+next to this module by ``pip install .``, loaded with ctypes; :func:`core_path` says where it is
+looked for), at tens of millions of lookups per second. The tests hold it, event for event, to
+an oracle that states each policy plainly in Python (``tests/routing/lru_oracle.py``), and the
+engine's own cache to the replay.
 
 Errors: :class:`PolicyError`, :class:`BudgetError` (both :class:`ValueError`) name the bad value
-and the accepted range.
+and the accepted range; :class:`CoreError` (an :class:`OSError`) says why the compiled core is not
+there and how to build it.
 """
 from __future__ import annotations
 
 import ctypes
-import heapq
 import math
 import os
 import sysconfig
@@ -116,7 +118,9 @@ POOL_POLICIES = {"pool": ("sync", "lru", "floor-half-k"), "pool-global": ("sync"
 #: selects ``global-lru`` instead).
 STREAM_POLICY = "global-lru-scan"
 BUDGET_KINDS = ("slots_per_layer", "budget_entries", "fraction", "mib")
-BACKENDS = ("auto", "c", "python")
+#: Accepted values of ``backend=`` (``--backend``): both name the compiled core, the one replay
+#: implementation; ``"c"`` is kept for the callers that name it.
+BACKENDS = ("auto", "c")
 #: Admission rules of ``layer-lru`` (``admit=``): ``always`` uploads every miss (the engine today);
 #: ``second-miss`` uploads a miss only when the same expert also missed within the last
 #: ``admit_window`` steps of its layer.
@@ -126,7 +130,6 @@ ADMISSIONS = ("always", "second-miss")
 DEFAULT_ADMIT_WINDOW = LLAMA_MOE_CACHE_ADMIT_WINDOW_DEFAULT = 4
 _GLOBAL_CODE = {"global-lru": 0, "fifo": 1, "lfu": 2, "belady": 3, "global-lru-scan": 4}
 _SERVED, _RESET, _STEP = 1, 2, 4
-_NEVER = 1 << 62
 #: Columns of the per-workload summary (and of ``--csv``), in order.
 SUMMARY_COLUMNS = ("workload", "policy", "phase", "budget_entries", "slots_per_layer", "inserts", "admit",
                    "admit_window", "accesses", "hits", "misses", "hit_rate", "tokens", "uploads", "wasted",
@@ -143,7 +146,18 @@ class BudgetError(ValueError):
 
 # --------------------------------------------------------------------------- the compiled core
 
-_core: ctypes.CDLL | None | bool = None
+#: The version of ``_simcore.c`` this module calls (``pybmoe_simcore_version``).
+CORE_VERSION = 6
+_BUILD_HINT = ("it is built by `pip install .`; in a source checkout, build it with "
+               "`gcc -O2 -shared -fPIC -o pybmoe/routing/_simcore.so pybmoe/routing/_simcore.c` "
+               "or set PYBMOE_SIMCORE to a built one")
+_core: ctypes.CDLL | None | bool = None     # None: not tried yet; False: tried, see _core_error
+_core_error = ""
+
+
+class CoreError(OSError):
+    """The compiled replay core is missing, does not load, or is of another version; the message
+    says which, and how to build it."""
 
 
 def core_path() -> Path | None:
@@ -153,39 +167,48 @@ def core_path() -> Path | None:
     env = os.environ.get("PYBMOE_SIMCORE")
     if env:
         return Path(env) if Path(env).is_file() else None
-    here = Path(__file__).resolve().parent
-    installed = Path(sysconfig.get_paths()["platlib"]) / "pybmoe" / "routing"
-    for d in (here, installed):
+    for d in _core_dirs():
         for name in ("_simcore.so", "lib_simcore.so", "_simcore.dylib", "_simcore.dll"):
             if (d / name).is_file():
                 return d / name
     return None
 
 
+def _core_dirs() -> tuple[Path, Path]:
+    return Path(__file__).resolve().parent, Path(sysconfig.get_paths()["platlib"]) / "pybmoe" / "routing"
+
+
 def load_core(path: str | os.PathLike | None = None) -> bool:
     """(Re)load the compiled core from ``path`` (default :func:`core_path`); True when it loaded.
 
-    A library that does not load, or is of another version, leaves the pure-Python replay in use.
+    A library that is missing, does not load, or is not of :data:`CORE_VERSION` is not used: the
+    replay then raises :class:`CoreError` with the reason.
     """
-    global _core
+    global _core, _core_error
     _core = False
     p = Path(path) if path is not None else core_path()
     if p is None or not p.is_file():
+        env = os.environ.get("PYBMOE_SIMCORE")
+        where = (f"$PYBMOE_SIMCORE={env} is not a file" if path is None and env
+                 else f"{p} is not a file" if p is not None
+                 else "no _simcore.so in " + " or ".join(str(d) for d in dict.fromkeys(_core_dirs())))
+        _core_error = f"the compiled replay core is missing ({where}); {_BUILD_HINT}"
         return False
     try:
         lib = ctypes.CDLL(str(p))
         lib.pybmoe_simcore_version.restype = ctypes.c_int32
-        if lib.pybmoe_simcore_version() != 6:
-            return False
-    except (OSError, AttributeError):
+        version = lib.pybmoe_simcore_version()
+    except (OSError, AttributeError) as e:
+        _core_error = f"the compiled replay core {p} does not load ({e}); {_BUILD_HINT}"
+        return False
+    if version != CORE_VERSION:
+        _core_error = (f"the compiled replay core {p} is version {version}, this module needs {CORE_VERSION}; "
+                       f"rebuild it: {_BUILD_HINT}")
         return False
     i64p = np.ctypeslib.ndpointer(np.int64, flags="C")
     u8p = np.ctypeslib.ndpointer(np.uint8, flags="C")
     i32p = np.ctypeslib.ndpointer(np.int32, flags="C")
     i8p = np.ctypeslib.ndpointer(np.int8, flags="C")
-    lib.pybmoe_sim_layer_lru.argtypes = [ctypes.c_int64, i64p, u8p, i32p, ctypes.c_int32, ctypes.c_int32,
-                                         ctypes.c_int32, ctypes.c_int32, i8p, i64p]
-    lib.pybmoe_sim_layer_lru.restype = ctypes.c_int32
     lib.pybmoe_sim_layer_lru_admit.argtypes = [ctypes.c_int64, i64p, u8p, i32p, ctypes.c_int32, ctypes.c_int32,
                                                ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, i8p, i64p]
     lib.pybmoe_sim_layer_lru_admit.restype = ctypes.c_int32
@@ -199,6 +222,7 @@ def load_core(path: str | os.PathLike | None = None) -> bool:
     lib.pybmoe_sim_crf_decay.argtypes = [ctypes.c_int32]
     lib.pybmoe_sim_crf_decay.restype = ctypes.c_uint32
     _core = lib
+    _core_error = ""
     return True
 
 
@@ -213,407 +237,33 @@ def have_core() -> bool:
     return _load_core() is not None
 
 
-def _use_c(backend: str) -> bool:
+def require_core() -> ctypes.CDLL:
+    """The loaded core (loading it on the first call); raises :class:`CoreError`, saying why and how
+    to build it, when there is none."""
+    lib = _load_core()
+    if lib is None:
+        raise CoreError(_core_error)
+    return lib
+
+
+def _check_backend(backend: str) -> None:
+    if backend == "python":
+        raise PolicyError("backend 'python': the pure-Python replay was removed, the compiled core is the only "
+                          f"one; accepted: {', '.join(BACKENDS)}")
     if backend not in BACKENDS:
         raise PolicyError(f"backend {backend!r}; accepted: {', '.join(BACKENDS)}")
-    if backend == "python":
-        return False
-    if backend == "c" and not have_core():
-        raise PolicyError(f"backend 'c' asked for but no compiled core next to {Path(__file__).parent} "
-                          "(build it: gcc -O2 -shared -fPIC -o pybmoe/routing/_simcore.so pybmoe/routing/_simcore.c); accepted: auto, python")
-    return have_core()
-
-
-# --------------------------------------------------------------------------- pure-Python twins of the core
-
-def _layer_lru_py(start: np.ndarray, flags: np.ndarray, expert: np.ndarray, n_expert: int, slots: int,
-                  cap: int, staging: int, out: np.ndarray, counters: np.ndarray, window: int = 0) -> None:
-    """The engine's policy, written as docs/expert-cache.md states it (see pybmoe_sim_layer_lru_admit).
-
-    ``window`` 0: every miss is scheduled (admission ``always``); ``window`` W > 0: a miss of step
-    s is scheduled only when the expert also missed at one of the steps s - W .. s - 1 (``second-miss``).
-    ``counters``: [0] += uploads completed, [1] += dropped, [2] (when there) += wasted (dropped, or
-    evicted before any hit).
-    """
-    ids = expert.tolist()
-    st = start.tolist()
-    res = np.empty(len(ids), dtype=np.int8)
-    R: set[int] = set()
-    used = [0] * n_expert
-    last_miss = [0] * n_expert                       # the ghost history: step of the last miss, 0 none
-    got_hit = [False] * n_expert                     # a resident hit since it landed
-    F: list[int] = []
-    misses: list[int] = []
-    step = last_step = 0
-    uploads = dropped = wasted = 0
-    for u, fl in enumerate(flags.tolist()):
-        if fl & _RESET:
-            R, used, F, misses, step, last_step = set(), [0] * n_expert, [], [], 0, 0
-            last_miss = [0] * n_expert
-        b, end = st[u], st[u + 1]
-        if fl & _SERVED:                             # a step: lookups against R
-            step += 1
-            last_step = step
-            missed_now: set[int] = set()
-            for i in range(b, end):
-                e = ids[i]
-                used[e] = step
-                if e in R:
-                    res[i] = 1
-                    got_hit[e] = True
-                else:
-                    res[i] = 0
-                    if e not in missed_now:
-                        missed_now.add(e)
-                        prev, last_miss[e] = last_miss[e], step
-                        if window == 0 or (prev > 0 and step - prev <= window):
-                            misses.append(e)         # admitted: scheduled below
-        else:
-            res[b:end] = -1
-        for e in F:                                  # after the ubatch: uploads scheduled after the previous one
-            uploads += 1
-            if len(R) == slots:
-                cands = [x for x in R if used[x] < last_step]
-                if not cands:
-                    dropped += 1
-                    wasted += 1
-                    continue
-                v = min(cands, key=lambda x: (used[x], x))
-                wasted += not got_hit[v]
-                R.remove(v)
-            R.add(e)
-            got_hit[e] = False
-        F = []
-        for e in misses:                             # then this one's admitted misses are scheduled
-            if e in R:
-                continue
-            if cap > 0 and len(F) == cap:
-                break
-            if len(F) == staging + (slots - len(R)):
-                break
-            F.append(e)
-        misses = []
-    out[:] = res
-    counters[0] += uploads
-    counters[1] += dropped
-    if len(counters) > 2:
-        counters[2] += wasted
-
-
-def _next_use(start: list[int], flags: list[int], ids: list[int]) -> list[int]:
-    """Per event: the next unit of the same stream that needs the same entry (``_NEVER`` if none)."""
-    nxt = [_NEVER] * len(ids)
-    seen: dict[int, int] = {}
-    for u in range(len(flags) - 1, -1, -1):
-        for i in range(start[u], start[u + 1]):
-            nxt[i] = seen.get(ids[i], _NEVER)
-        for i in range(start[u], start[u + 1]):
-            seen[ids[i]] = u
-        if flags[u] & _RESET:
-            seen = {}
-    return nxt
-
-
-def _global_py(policy: str, start: np.ndarray, flags: np.ndarray, entry: np.ndarray, n_entries: int,
-               capacity: int, out: np.ndarray, counters: np.ndarray, n_layer: int = 1, lend: int = 0) -> None:
-    """global-lru(-scan) / fifo / lfu / belady with a lazy heap (see pybmoe_sim_global for the rules;
-    ``n_layer``: the layers the entries span, global-lru-scan's guard and the lend's; ``lend``: entries
-    a unit that wants less than half of its layer may hold beyond ``capacity``, global-lru(-scan) only)."""
-    if lend and policy not in ("global-lru", "global-lru-scan"):
-        raise PolicyError(f"lend {lend} is modelled for global-lru and global-lru-scan only, not {policy!r}")
-    scan_guard = policy == "global-lru-scan"
-    if scan_guard:
-        policy = "global-lru"
-    ids = entry.tolist()
-    st = start.tolist()
-    fls = flags.tolist()
-    capacity = min(capacity, n_entries)
-    nxt = _next_use(st, fls, ids) if policy == "belady" else None
-    res = [0] * len(ids)
-    key: dict[int, tuple[int, int]] = {}         # resident entry -> its current key
-    heap: list[tuple[int, int, int]] = []
-    freq: dict[int, int] = {}
-    admitted = 0
-
-    def new_key(e: int, u: int, i: int) -> tuple[int, int]:
-        if policy == "global-lru":
-            return (i, e)                            # recency per lookup, in router rank order
-        if policy == "fifo":
-            return (u, e)
-        if policy == "lfu":
-            return (freq[e], u * n_entries + e)
-        return (-nxt[i], e)
-
-    def pop_victim() -> tuple[int, int, int] | None:
-        # the least current heap item the unit does not need (`need`), popped; None when there is none
-        stash, victim = [], None
-        while heap:
-            a, bb, x = heapq.heappop(heap)
-            if key.get(x) != (a, bb):
-                continue                         # stale
-            if x in need:
-                stash.append((a, bb, x))         # needed by this unit: never evicted
-                continue
-            victim = (a, bb, x)
-            break
-        for s in stash:
-            heapq.heappush(heap, s)
-        return victim
-
-    for u in range(len(fls)):
-        if fls[u] & _RESET:
-            key, heap, freq = {}, [], {}
-        b, end = st[u], st[u + 1]
-        need: dict[int, int] = {}                    # entry -> its first event in the unit
-        for i in range(b, end):
-            need.setdefault(ids[i], i)
-        # the scan guard: a unit that wants half of its layer or more, and a pass of such units would
-        # flush the cache; its admissions enter at the minimum end, each below the last, and stay there
-        half = 2 * len(need) >= n_entries // n_layer
-        scan = scan_guard and half and len(need) * n_layer > capacity
-        # the lend: a unit that wants half of its layer or more holds capacity entries (it first evicts the
-        # least recent entries it does not need down to that), the others capacity + lend
-        cap = capacity if half else min(capacity + lend, n_entries)
-        while len(key) > cap:
-            victim = pop_victim()
-            if victim is None:
-                break
-            del key[victim[2]]
-        for i in range(b, end):
-            e = ids[i]
-            first = need[e] == i
-            if e not in key:
-                res[i] = 0
-                continue
-            res[i] = 1
-            if policy == "global-lru" or (first and policy != "fifo"):
-                if policy == "lfu":
-                    freq[e] += 1
-                key[e] = new_key(e, u, i)
-                heapq.heappush(heap, (*key[e], e))
-        for e, i in need.items():
-            if e in key or cap == 0:
-                continue
-            if len(key) >= cap:
-                victim = pop_victim()
-                if victim is not None and policy == "belady" and nxt[i] >= -victim[0]:
-                    heapq.heappush(heap, victim)     # the incoming entry is needed furthest away
-                    victim = None
-                if victim is None:
-                    continue
-                del key[victim[2]]
-            if policy == "lfu":
-                freq[e] = 1
-            key[e] = (-1 - i, e) if scan else new_key(e, u, i)
-            heapq.heappush(heap, (*key[e], e))
-            admitted += 1
-        if len(need) < end - b:                      # a repeated lookup of an entry admitted here hits
-            for i in range(b, end):
-                if res[i] == 0 and need[ids[i]] != i and ids[i] in key:
-                    res[i] = 1
-                    if policy == "global-lru" and not scan:
-                        key[ids[i]] = new_key(ids[i], u, i)
-                        heapq.heappush(heap, (*key[ids[i]], ids[i]))
-        if len(heap) > 4 * len(key) + 64:
-            heap = [(*k, e) for e, k in key.items()]
-            heapq.heapify(heap)
-    out[:] = np.asarray(res, dtype=np.int8)
-    counters[0] += admitted
 
 
 # --------------------------------------------------------------------------- the pool
 
 #: ClassLRU's CRF (combined recency and frequency), as upstream llama.cpp b12170 (PR #31233) states
 #: it: each use of an entry adds 1, the sum decays with a half-life of :data:`CRF_HALF_LIFE` tokens and
-#: is kept across evictions; its class is ``floor(log2(CRF))``, at most ``CRF_CLASSES - 1``. Here the
-#: CRF is fixed point with :data:`CRF_FRAC_BITS` fraction bits, so that every implementation of the
-#: rule (this module, the core, the engine) computes the same classes.
+#: is kept across evictions; its class is ``floor(log2(CRF))``, at most ``CRF_CLASSES - 1``. The core
+#: keeps the CRF in fixed point with :data:`CRF_FRAC_BITS` fraction bits (its ``SIM_CRF_*`` constants),
+#: so that the core and the tests' oracle compute the same classes.
 CRF_HALF_LIFE = 128
 CRF_CLASSES = 8
 CRF_FRAC_BITS = 24
-#: 2**30 * 2**(-j / CRF_HALF_LIFE) for j = 0 .. CRF_HALF_LIFE - 1, rounded: the decay of the CRF over
-#: j tokens (the core computes the same table and the tests compare them).
-CRF_DECAY = tuple(round(2.0 ** 30 * 2.0 ** (-j / CRF_HALF_LIFE)) for j in range(CRF_HALF_LIFE))
-
-
-def crf_use(crf: int, age: int) -> int:
-    """The fixed-point CRF after one more use, ``age`` tokens after the last one (``crf`` 0: never used)."""
-    if crf and age:
-        crf = (crf * CRF_DECAY[age % CRF_HALF_LIFE]) >> 30 >> min(age // CRF_HALF_LIFE, 63)
-    return crf + (1 << CRF_FRAC_BITS)
-
-
-def crf_class(crf: int) -> int:
-    """``floor(log2(CRF))`` of a fixed-point CRF of at least 1, at most ``CRF_CLASSES - 1``."""
-    return min(CRF_CLASSES - 1, crf.bit_length() - 1 - CRF_FRAC_BITS)
-
-
-def _pool_py(start: np.ndarray, flags: np.ndarray, entry: np.ndarray, tokens: np.ndarray, n_expert: int,
-             capacity: int, timing: int, key: int, floor: int, cap: int, staging: int, out: np.ndarray,
-             counters: np.ndarray) -> None:
-    """The pool, written as docs/expert-cache.md ("The pool") states it (see pybmoe_sim_pool).
-
-    It stays beside the compiled core as the rule written plainly: the tests' oracle for the core
-    (tests/routing/test_pool.py) and the replay where no core is built, as the other twins.
-
-    Units are layer steps (one layer's lookups in one ubatch) in forward order, entries ``layer *
-    n_expert + expert``; ``_STEP`` marks the first unit of a ubatch, ``tokens`` its token count (the
-    ClassLRU clock). ``timing`` 0 (sync, the engine's): a served ubatch's lookups see the residents as
-    they were before it; after every ubatch the uploads scheduled after the previous one settle, then
-    its distinct misses are scheduled. ``timing`` 1 (instant, upstream's): each layer step admits its
-    misses before the next. ``key`` 0: LRU, 1: ClassLRU. The guard: a victim is an entry of the
-    incoming entry's own layer, or of a layer holding more than ``floor`` entries; a layer holding
-    ``cap`` entries (0: no cap) takes its victim from its own entries. ``staging``: uploads in flight
-    beyond the free slots (sync). ``counters``: [0] += uploads (sync: completed, dropped included;
-    instant: admissions), [1] += dropped, [2] += wasted (dropped, or evicted before any hit; sync).
-    """
-    ids = entry.tolist()
-    st = start.tolist()
-    fls = flags.tolist()
-    tok = tokens.tolist()
-    n_units = len(fls)
-    res = [0] * len(ids)
-    uploads = dropped = wasted = 0
-    R: set[int] = set()
-    cnt: dict[int, int] = {}
-    used: dict[int, int] = {}       # sync: the served step of the last lookup; instant: its event index
-    crf: dict[int, int] = {}
-    last: dict[int, int] = {}       # the clock (tokens) at the last use
-    cls: dict[int, int] = {}
-    got_hit: set[int] = set()
-    F: list[int] = []
-    misses: list[int] = []
-    step = last_step = clock = 0
-
-    def touch(x: int) -> None:
-        c = crf_use(crf.get(x, 0), clock - last.get(x, clock))
-        crf[x], last[x], cls[x] = c, clock, crf_class(c)
-
-    def order(y: int):
-        # the victim is the least of this key
-        if key == 0:
-            return (used[y], y)
-        # the largest age / 2**class first: age * 2**(CRF_CLASSES - 1 - class) orders the same, in integers
-        return (-((clock - last[y]) << (CRF_CLASSES - 1 - cls[y])), used[y], y)
-
-    def full_for(x: int) -> bool:
-        return len(R) >= capacity or (cap > 0 and cnt.get(x // n_expert, 0) >= cap)
-
-    def victim(x: int, protected) -> int | None:
-        lx = x // n_expert
-        own = cap > 0 and cnt.get(lx, 0) >= cap
-        best = None
-        for y in R:
-            if protected(y):
-                continue
-            ly = y // n_expert
-            if ly != lx and (own or cnt[ly] <= floor):
-                continue
-            if best is None or order(y) < order(best):
-                best = y
-        if best is None and cnt.get(lx, 0) < floor:     # under its floor: an over-floor layer gives, even
-            for y in R:                                   # an entry selected at the last step
-                ly = y // n_expert
-                if ly != lx and cnt[ly] > floor and (best is None or order(y) < order(best)):
-                    best = y
-        return best
-
-    def evict(v: int) -> None:
-        R.remove(v)
-        cnt[v // n_expert] -= 1
-        got_hit.discard(v)
-
-    def admit(x: int) -> None:
-        R.add(x)
-        cnt[x // n_expert] = cnt.get(x // n_expert, 0) + 1
-
-    u = 0
-    while u < n_units:
-        if fls[u] & _RESET:
-            R, cnt, used, crf, last, cls, got_hit = set(), {}, {}, {}, {}, {}, set()
-            F, misses, step, last_step, clock = [], [], 0, 0, 0
-        if timing == 1:                                  # instant: one layer step
-            if fls[u] & _STEP:
-                clock += tok[u]
-            b, end = st[u], st[u + 1]
-            u += 1
-            if not fls[u - 1] & _SERVED:
-                res[b:end] = [-1] * (end - b)
-                continue
-            need: dict[int, int] = {}
-            for i in range(b, end):
-                need.setdefault(ids[i], i)
-                res[i] = int(ids[i] in R)
-            for x in need:
-                if x in R:
-                    continue
-                if full_for(x):
-                    v = victim(x, lambda y: y in need)
-                    if v is None:
-                        continue                         # bypassed: all its lookups here miss
-                    evict(v)
-                admit(x)
-                uploads += 1
-            for i in range(b, end):
-                x = ids[i]
-                if x in R:
-                    res[i] = 1 if need[x] != i else res[i]   # a repeat of an admitted entry hits
-                    used[x] = i
-            if key == 1:
-                for x in need:
-                    touch(x)
-            continue
-        # sync: one ubatch, units u .. v - 1
-        v = u + 1
-        while v < n_units and not fls[v] & _STEP:
-            v += 1
-        b, end = st[u], st[v]
-        if fls[u] & _SERVED:
-            step += 1
-            last_step = step
-            clock += tok[u]
-            missed: dict[int, None] = {}
-            seen: dict[int, None] = {}
-            for i in range(b, end):
-                x = ids[i]
-                used[x] = step
-                seen[x] = None
-                if x in R:
-                    res[i] = 1
-                    got_hit.add(x)
-                else:
-                    res[i] = 0
-                    missed[x] = None
-            if key == 1:
-                for x in seen:
-                    touch(x)
-            new_misses = list(missed)
-        else:
-            res[b:end] = [-1] * (end - b)
-            new_misses = []
-        for x in F:                                      # after the ubatch: the uploads scheduled after the previous one
-            uploads += 1
-            if full_for(x):
-                vt = victim(x, lambda y: used.get(y, 0) >= last_step)
-                if vt is None:
-                    dropped += 1
-                    wasted += 1
-                    continue
-                wasted += vt not in got_hit
-                evict(vt)
-            admit(x)
-        F = []
-        for x in new_misses:                             # then this one's misses are scheduled
-            if x in R:
-                continue
-            if len(F) == staging + (capacity - len(R)):
-                break
-            F.append(x)
-        u = v
-    out[:] = np.asarray(res, dtype=np.int8)
-    counters[0] += uploads
-    counters[1] += dropped
-    counters[2] += wasted
 
 
 # --------------------------------------------------------------------------- prepared streams
@@ -1123,14 +773,17 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
     misses are uploaded: ``always`` every one (the engine today, the default); ``second-miss`` only
     an expert that also missed at one of the last ``admit_window`` steps of its layer (steps are
     served ubatches; default :data:`DEFAULT_ADMIT_WINDOW`). ``progress`` is called with 1 after
-    each workload.
+    each workload. ``backend`` (:data:`BACKENDS`): ``auto`` or ``c``, both the compiled core.
     Raises :class:`PolicyError` for an unknown policy, phase, backend or admission rule (or an
     admission other than ``always`` for a policy other than layer-lru, or a ``lend_entries`` for a
-    policy other than global-lru(-scan)) and :class:`BudgetError` for a bad budget, a negative
-    ``lend_entries`` or an ``admit_window`` below 1 (or given with ``always``).
+    policy other than global-lru(-scan)), :class:`BudgetError` for a bad budget, a negative
+    ``lend_entries`` or an ``admit_window`` below 1 (or given with ``always``), and
+    :class:`CoreError` when the compiled core is missing or does not load (every policy but
+    ``static`` needs it).
     """
     if policy not in POLICIES:
         raise PolicyError(f"policy {policy!r}; accepted: {', '.join(POLICIES)}")
+    _check_backend(backend)
     if isinstance(lend_entries, bool) or int(lend_entries) != lend_entries or lend_entries < 0:
         raise BudgetError(f"lend_entries {lend_entries!r}; accepted: an integer >= 0 (entries)")
     lend_entries = int(lend_entries)
@@ -1156,8 +809,7 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
         inserts = rp.trace.meta.inserts or 0
     if inserts < 0:
         raise BudgetError(f"inserts {inserts}; accepted: >= 0 (0 = unlimited)")
-    use_c = _use_c(backend)
-    lib = _load_core() if use_c else None
+    lib = require_core() if policy != "static" else None
     n_w = len(rp.workloads)
     predicted = np.full(rp.n_rows, -1, dtype=np.int8)
     uploads = np.zeros(n_w, dtype=np.int64)
@@ -1188,11 +840,8 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
                 if slots == 0:          # the cache is off: nothing is served
                     out[:] = -1
                     return 0
-                if lib is not None:
-                    return lib.pybmoe_sim_layer_lru_admit(len(flags), start, flags, ids, rp.n_expert, slots, inserts,
-                                                          stage, window, out, counters)
-                _layer_lru_py(start, flags, ids, rp.n_expert, slots, inserts, stage, out, counters, window)
-                return 0
+                return lib.pybmoe_sim_layer_lru_admit(len(flags), start, flags, ids, rp.n_expert, slots, inserts,
+                                                      stage, window, out, counters)
         elif policy in POOL_POLICIES:
             sync = timing == "sync"
             floor, cap = guard_params(guard, entries, rp.n_layer, rp.top_k, rp.n_expert)
@@ -1204,23 +853,16 @@ def simulate(trace: tr.Trace | Replay, policy: str, *, slots_per_layer: int | No
             t_code, k_code = POOL_TIMINGS.index(timing), POOL_KEYS.index(key)
 
             def fn(start, flags, ids, out, counters, tokens):
-                if lib is not None:
-                    return lib.pybmoe_sim_pool(t_code, k_code, len(flags), start, flags, tokens, ids, rp.n_layer,
-                                               rp.n_expert, entries, floor, cap, stage, out, counters)
-                _pool_py(start, flags, ids, tokens, rp.n_expert, entries, t_code, k_code, floor, cap, stage, out,
-                         counters)
-                return 0
+                return lib.pybmoe_sim_pool(t_code, k_code, len(flags), start, flags, tokens, ids, rp.n_layer,
+                                           rp.n_expert, entries, floor, cap, stage, out, counters)
         else:
             units = rp.global_units(phase)  # the counted rows only
             cev = None
             code = _GLOBAL_CODE[policy]
 
             def fn(start, flags, ids, out, counters):
-                if lib is not None:
-                    return lib.pybmoe_sim_global(code, len(flags), start, flags, ids, rp.n_entries, entries,
-                                                 rp.n_layer, lend_entries, out, counters)
-                _global_py(policy, start, flags, ids, rp.n_entries, entries, out, counters, rp.n_layer, lend_entries)
-                return 0
+                return lib.pybmoe_sim_global(code, len(flags), start, flags, ids, rp.n_entries, entries,
+                                             rp.n_layer, lend_entries, out, counters)
 
         for w in range(n_w):
             out, counters = _run_units(units, w, n_w, predicted, fn)
@@ -1299,6 +941,7 @@ def sweep(trace: tr.Trace | Replay, policies: Sequence[str], budgets: Sequence[t
     for p in policies:
         if p not in POLICIES:
             raise PolicyError(f"policy {p!r}; accepted: {', '.join(POLICIES)}")
+    _check_backend(backend)
     if admission_window(admit, admit_window) and set(policies) != {"layer-lru"}:
         others = ", ".join(p for p in policies if p != "layer-lru")
         raise PolicyError(f"admit {admit!r} is modelled for layer-lru only, not {others}; accepted: always")

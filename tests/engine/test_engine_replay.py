@@ -1,8 +1,9 @@
 """The replay simulator reproduces the engine's own hits and misses, event for event.
 
 The engine writes its routing and each lookup's hit/miss with --moe-trace; pybmoe.routing.sim replays the
-routing through its layer-lru policy (the engine's policy, re-implemented in Python and C) and
-must predict every hit and miss the engine recorded.
+routing through its layer-lru policy (the engine's policy, re-implemented in the simulator's compiled
+core, which tests/routing/ holds to a plain Python statement of the rule) and must predict every hit
+and miss the engine recorded.
 """
 from __future__ import annotations
 
@@ -30,10 +31,7 @@ def _engine_trace(model: Path, rpc, slots: int, inserts: int, tmp: Path, n_predi
 
 @pytest.mark.parametrize("inserts", [1, 0])
 @pytest.mark.parametrize("slots_of", ["1", "top-k", "half", "all"])
-@pytest.mark.parametrize("backend", ["auto", "python"])
-def test_replay_matches_engine_event_for_event(model_q8, rpc, tmp_path, slots_of, inserts, backend):
-    if backend == "auto" and not sim.have_core():
-        pytest.skip("the compiled replay core is not built")
+def test_replay_matches_engine_event_for_event(model_q8, rpc, tmp_path, slots_of, inserts):
     spec = models.read_spec(model_q8)
     slots = {"1": 1, "top-k": spec.n_expert_used, "half": spec.n_expert // 2, "all": spec.n_expert}[slots_of]
     path, layers = _engine_trace(model_q8, rpc, slots, inserts, tmp_path)
@@ -45,7 +43,7 @@ def test_replay_matches_engine_event_for_event(model_q8, rpc, tmp_path, slots_of
     assert len(decode) == spec.n_layer * spec.n_expert_used * 47  # 47 single-token decode steps
     assert (decode["hit"] >= 0).all() and (f[f["phase"] == "prefill"]["hit"] == -1).all()
 
-    res = sim.engine_replay(t, backend=backend)
+    res = sim.engine_replay(t)
     bad = sim.compare_with_engine(t, res)
     assert bad.empty, f"{len(bad)} lookups differ, first:\n{bad.head()}"
 

@@ -2,8 +2,8 @@
 ``pybmoe simulate`` (CPU only, ~3 s).
 
 Expected values: the replay of commit 976e433 (before the rule existed) for ``always``, and
-streams worked out by hand for ``second-miss``, on both backends (the compiled core built from
-the current source, and the pure-Python twin).
+streams worked out by hand for ``second-miss``, on both implementations (the compiled core built
+from the current source, and the tests' oracle, lru_oracle.py).
 """
 from __future__ import annotations
 
@@ -18,14 +18,15 @@ from pybmoe.routing import sim
 from pybmoe.routing import trace as tr
 from pybmoe.routing.granite import GRANITE_TRACE as GRANITE
 
-from test_sim import backend, core, mk  # noqa: F401  (fixtures)
+import lru_oracle
+from test_sim import mk
 
 
 # --------------------------------------------------------------------------- always: today's results
 
 # granite, decode, per workload (english_prose, code, math): hits and uploads of the layer-lru
 # replay before the admission rule existed, and the first 16 hex digits of the sha256 of its
-# per-lookup answers (commit 976e433, pure-Python twin)
+# per-lookup answers (commit 976e433, the pure-Python replay of then, now lru_oracle.py)
 BEFORE = {
     (4, 0, "decode"): ((2862, 3202, 2646), (7474, 7774, 7589), "a9d9b79880ac3621"),
     (8, 0, "decode"): ((4634, 5657, 4398), (5327, 5333, 5517), "4d135015bca4e3c7"),
@@ -36,10 +37,10 @@ BEFORE = {
 
 
 @pytest.mark.parametrize("slots,inserts,phase", list(BEFORE))
-def test_always_is_the_replay_before_the_rule(granite, backend, slots, inserts, phase):
+def test_always_is_the_replay_before_the_rule(granite, impl, slots, inserts, phase):
     hits, uploads, digest = BEFORE[(slots, inserts, phase)]
     for kw in ({}, {"admit": "always"}):
-        r = sim.simulate(granite, "layer-lru", slots_per_layer=slots, inserts=inserts, phase=phase, backend=backend, **kw)
+        r = sim.simulate(granite, "layer-lru", slots_per_layer=slots, inserts=inserts, phase=phase, **kw)
         s = r.summary.set_index("workload").loc[["english_prose", "code", "math"]]
         assert tuple(s["hits"]) == hits
         assert tuple(s["uploads"]) == uploads
@@ -66,9 +67,8 @@ STREAM = [[0], [0], [0], [0], [1], [2], [1], [1], [1]]
     # only; its miss at 8 is scheduled, lands after step 9: step 9 misses
     ("second-miss", 1, [0, 0, 0, 1, 0, 0, 0, 0, 0], 2),
 ])
-def test_second_miss_by_hand(backend, admit, window, expected, uploads):
-    r = sim.simulate(mk(STREAM, n_expert=4), "layer-lru", slots_per_layer=2, admit=admit, admit_window=window,
-                     backend=backend)
+def test_second_miss_by_hand(impl, admit, window, expected, uploads):
+    r = sim.simulate(mk(STREAM, n_expert=4), "layer-lru", slots_per_layer=2, admit=admit, admit_window=window)
     assert r.predicted.tolist() == expected
     assert r.summary["uploads"].tolist() == [uploads]
     assert r.summary["hits"].tolist() == [sum(expected)]
@@ -76,53 +76,52 @@ def test_second_miss_by_hand(backend, admit, window, expected, uploads):
     assert r.summary["wasted"].tolist() == [0]
 
 
-def test_one_off_experts_waste_uploads_only_when_always_admitted(backend):
+def test_one_off_experts_waste_uploads_only_when_always_admitted(impl):
     # 1 slot, 4 experts each used once, then 0 again. always: 0 lands after step 2, is evicted by 1
     # after step 3 without a hit (wasted), 1 by 2 after step 4 (wasted); 0's upload after step 4 is
     # still in flight at the end. second-miss (W = 4): nothing is uploaded until 0 misses again at
     # step 4 (3 steps after its first miss), and that upload is still in flight at the end
     t = mk([[0], [1], [2], [0]], n_expert=4)
-    a = sim.simulate(t, "layer-lru", slots_per_layer=1, backend=backend)
-    b = sim.simulate(t, "layer-lru", slots_per_layer=1, admit="second-miss", admit_window=4, backend=backend)
+    a = sim.simulate(t, "layer-lru", slots_per_layer=1)
+    b = sim.simulate(t, "layer-lru", slots_per_layer=1, admit="second-miss", admit_window=4)
     assert a.predicted.tolist() == b.predicted.tolist() == [0, 0, 0, 0]
     assert (a.summary["uploads"][0], a.summary["wasted"][0]) == (3, 2)
     assert (b.summary["uploads"][0], b.summary["wasted"][0]) == (0, 0)
     # W = 2: 0's second miss is 3 steps after its first: not admitted either
-    c = sim.simulate(t, "layer-lru", slots_per_layer=1, admit="second-miss", admit_window=2, backend=backend)
+    c = sim.simulate(t, "layer-lru", slots_per_layer=1, admit="second-miss", admit_window=2)
     assert c.summary["uploads"][0] == 0
 
 
-def test_dropped_uploads_are_wasted(backend):
+def test_dropped_uploads_are_wasted(impl):
     # the stream of test_sim.test_layer_lru_drops_when_every_resident_was_just_used: 7 uploads
     # completed, 5 of them dropped; the one that landed (0 after step 2, 2 after step 5) hit first
     t = mk([[0, 1], [0, 1], [0, 1], [2, 0], [3, 1], [2, 0]], n_expert=4)
-    r = sim.simulate(t, "layer-lru", slots_per_layer=1, backend=backend)
+    r = sim.simulate(t, "layer-lru", slots_per_layer=1)
     assert (r.summary["uploads"][0], r.summary["wasted"][0]) == (7, 5)
 
 
-def test_second_miss_window_counts_served_steps_only(backend):
+def test_second_miss_window_counts_served_steps_only(impl):
     # a prefill ubatch between two decode steps is not a step: the two misses of 0 are one step apart
     t = mk([[0], [[1], [2]], [0], [3], [0]], n_expert=4)
-    r = sim.simulate(t, "layer-lru", slots_per_layer=2, phase="all", admit="second-miss", admit_window=1,
-                     backend=backend)
+    r = sim.simulate(t, "layer-lru", slots_per_layer=2, phase="all", admit="second-miss", admit_window=1)
     # step 1: 0 remembered; ubatch 1 not served; step 2: 0 scheduled; step 3: 3 remembered, 0 lands; step 4 hits
     assert r.predicted.tolist() == [0, -1, -1, 0, 0, 1]
 
 
-def test_each_workload_starts_with_an_empty_history(backend):
+def test_each_workload_starts_with_an_empty_history(impl):
     # b's first miss of 0 is its first there (a missed 0 at its own step 1): remembered only, so 0 is
     # scheduled at b's step 3 and nothing lands
     frames = [mk(steps, n_expert=4, workload=w).frame for w, steps in (("a", [[0]]), ("b", [[0], [1], [0]]))]
     t = tr.from_frame(pd.concat(frames, ignore_index=True), tr.TraceMeta(1, 4, 1))
-    r = sim.simulate(t, "layer-lru", slots_per_layer=2, admit="second-miss", admit_window=2, backend=backend)
+    r = sim.simulate(t, "layer-lru", slots_per_layer=2, admit="second-miss", admit_window=2)
     assert r.predicted.tolist() == [0, 0, 0, 0]
     assert r.summary.set_index("workload")["uploads"].to_dict() == {"a": 0, "b": 0}
 
 
-# --------------------------------------------------------------------------- the core against the twin
+# --------------------------------------------------------------------------- the core against the oracle
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_backends_identical_with_admission_on_random_traces(core, seed):
+def test_core_equals_the_oracle_with_admission_on_random_traces(core, seed):
     from test_sim import random_trace
     rp = sim.prepare(random_trace(seed))
     for entries in (2, 9, 14, 30):
@@ -131,19 +130,21 @@ def test_backends_identical_with_admission_on_random_traces(core, seed):
                 for window in (1, 2, 5):
                     kw = dict(budget_entries=entries, phase=phase, inserts=inserts, max_batch=max_batch,
                               admit="second-miss", admit_window=window)
-                    a = sim.simulate(rp, "layer-lru", backend="c", **kw)
-                    b = sim.simulate(rp, "layer-lru", backend="python", **kw)
+                    a = sim.simulate(rp, "layer-lru", **kw)
+                    with lru_oracle.instead_of_the_core():
+                        b = sim.simulate(rp, "layer-lru", **kw)
                     assert np.array_equal(a.predicted, b.predicted), kw
                     pd.testing.assert_frame_equal(a.summary, b.summary)
 
 
-def test_backends_identical_with_admission_on_granite(core, granite):
+def test_core_equals_the_oracle_with_admission_on_granite(core, granite):
     rp = sim.prepare(granite)
     for slots in (3, 8, 20):
         for window in (1, 4):
             kw = dict(slots_per_layer=slots, phase="all", inserts=2, admit="second-miss", admit_window=window)
-            a = sim.simulate(rp, "layer-lru", backend="c", **kw)
-            b = sim.simulate(rp, "layer-lru", backend="python", **kw)
+            a = sim.simulate(rp, "layer-lru", **kw)
+            with lru_oracle.instead_of_the_core():
+                b = sim.simulate(rp, "layer-lru", **kw)
             assert np.array_equal(a.predicted, b.predicted), kw
             pd.testing.assert_frame_equal(a.summary, b.summary)
 

@@ -1,14 +1,14 @@
 """Tests of pybmoe.routing.sim (replay of cache policies), pybmoe.routing.sizing and pybmoe.bench.plot (CPU only, ~10 s).
 
 Expected values are computed here by hand or re-derived independently from the raw data, never
-taken from the implementation. Every replay runs on both backends: the compiled core (built from
-pybmoe/routing/_simcore.c into a temporary folder when a C compiler is there) and the pure-Python twin.
+taken from the implementation. The hand-worked replays run on both implementations (the ``impl``
+fixture, conftest.py): the compiled core (built from pybmoe/routing/_simcore.c into a temporary folder
+when a C compiler is there) and the tests' oracle (lru_oracle.py); the two must also agree on random
+traces and on granite.
 """
 from __future__ import annotations
 
 import math
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -20,28 +20,7 @@ from pybmoe.routing import sim, sizing
 from pybmoe.routing import trace as tr
 from pybmoe.routing.granite import GRANITE_TRACE as GRANITE  # the bundled copy (MIT notice beside it)
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def core(tmp_path_factory) -> bool:
-    """Build the compiled core from the current source and load it (skip without a compiler)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        if sim.have_core():
-            return True
-        pytest.skip("no C compiler to build pybmoe/routing/_simcore.c and no prebuilt core")
-    out = tmp_path_factory.mktemp("simcore") / "_simcore.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(REPO / "pybmoe" / "routing" / "_simcore.c")], check=True)
-    assert sim.load_core(out), "the freshly built core did not load"
-    return True
-
-
-@pytest.fixture(params=["python", "c"])
-def backend(request) -> str:
-    if request.param == "c":
-        request.getfixturevalue("core")
-    return request.param
+import lru_oracle
 
 
 def mk(ubatches, *, n_expert: int, phases=None, workload: str = "w", layer: int = 0) -> tr.Trace:
@@ -59,8 +38,8 @@ def mk(ubatches, *, n_expert: int, phases=None, workload: str = "w", layer: int 
     return tr.from_frame(df, tr.TraceMeta(layer + 1, n_expert, k))
 
 
-def pred(t: tr.Trace, policy: str, backend: str, **kw) -> list[int]:
-    return sim.simulate(t, policy, backend=backend, **kw).predicted.tolist()
+def pred(t: tr.Trace, policy: str, **kw) -> list[int]:
+    return sim.simulate(t, policy, **kw).predicted.tolist()
 
 
 def flat(x):
@@ -69,71 +48,68 @@ def flat(x):
 
 # --------------------------------------------------------------------------- layer-lru: the engine's policy, by hand
 
-def test_layer_lru_lag(backend):
+def test_layer_lru_lag(impl):
     # a miss at step s is resident from s + 2: expert 0 misses at steps 1 and 2
     t = mk([[0], [0], [0], [1], [0], [1]], n_expert=4)
-    assert pred(t, "layer-lru", backend, slots_per_layer=2) == [0, 0, 1, 0, 1, 1]
+    assert pred(t, "layer-lru", slots_per_layer=2) == [0, 0, 1, 0, 1, 1]
 
 
-def test_layer_lru_evicts_lru_not_used_at_last_step(backend):
+def test_layer_lru_evicts_lru_not_used_at_last_step(impl):
     # entry 4 admits 2 (evicting 1, the LRU; 0 was used at step 3) then 3 (evicting 2, the upload just
     # admitted: it was last used at step 2 < 3); entry 5 evicts 0 (3 was used at step 4)
     t = mk([[0, 1], [2, 3], [0, 4], [2, 3], [0, 4]], n_expert=8)
-    assert pred(t, "layer-lru", backend, slots_per_layer=2) == flat([[0, 0], [0, 0], [1, 0], [0, 1], [0, 1]])
+    assert pred(t, "layer-lru", slots_per_layer=2) == flat([[0, 0], [0, 0], [1, 0], [0, 1], [0, 1]])
 
 
-def test_layer_lru_tie_break_lowest_expert_id(backend):
+def test_layer_lru_tie_break_lowest_expert_id(impl):
     # at entry 4, experts 3 and 5 were both last used at step 1: the lower id (3) is evicted
     t = mk([[5, 3], [6, 0], [7, 1], [5, 3]], n_expert=8)
-    assert pred(t, "layer-lru", backend, slots_per_layer=3) == flat([[0, 0], [0, 0], [0, 0], [1, 0]])
+    assert pred(t, "layer-lru", slots_per_layer=3) == flat([[0, 0], [0, 0], [0, 0], [1, 0]])
 
 
-def test_layer_lru_drops_when_every_resident_was_just_used(backend):
+def test_layer_lru_drops_when_every_resident_was_just_used(impl):
     t = mk([[0, 1], [0, 1], [0, 1], [2, 0], [3, 1], [2, 0]], n_expert=4)
-    r = sim.simulate(t, "layer-lru", slots_per_layer=1, backend=backend)
+    r = sim.simulate(t, "layer-lru", slots_per_layer=1)
     assert r.predicted.tolist() == flat([[0, 0], [0, 0], [1, 0], [0, 1], [0, 0], [1, 0]])
     # uploads completed after each step: 2, 1, 1, 1, 2 (the last two after step 6); 5 of them dropped
     assert r.summary["uploads"].tolist() == [7]
 
 
-def test_layer_lru_insert_cap(backend):
+def test_layer_lru_insert_cap(impl):
     t = mk([[0, 1]] * 4, n_expert=8)
-    assert pred(t, "layer-lru", backend, slots_per_layer=4, inserts=1) == flat([[0, 0], [0, 0], [1, 0], [1, 1]])
-    assert pred(t, "layer-lru", backend, slots_per_layer=4, inserts=0) == flat([[0, 0], [0, 0], [1, 1], [1, 1]])
+    assert pred(t, "layer-lru", slots_per_layer=4, inserts=1) == flat([[0, 0], [0, 0], [1, 0], [1, 1]])
+    assert pred(t, "layer-lru", slots_per_layer=4, inserts=0) == flat([[0, 0], [0, 0], [1, 1], [1, 1]])
 
 
-def test_layer_lru_free_physical_slots_bound_uploads(backend):
+def test_layer_lru_free_physical_slots_bound_uploads(impl):
     # with no staging slot, an upload needs a free resident slot
     start = np.array([0, 2, 4, 6], dtype=np.int64)
     flags = np.array([3, 1, 1], dtype=np.uint8)
     ids = np.array([0, 1, 0, 1, 0, 1], dtype=np.int32)
     out = np.zeros(6, dtype=np.int8)
-    counters = np.zeros(2, dtype=np.int64)
-    if backend == "c":
-        assert sim._load_core().pybmoe_sim_layer_lru(3, start, flags, ids, 4, 1, 0, 0, out, counters) == 0
-    else:
-        sim._layer_lru_py(start, flags, ids, 4, 1, 0, 0, out, counters)
+    counters = np.zeros(3, dtype=np.int64)
+    assert sim._load_core().pybmoe_sim_layer_lru_admit(3, start, flags, ids, 4, 1, 0, 0, 0, out, counters) == 0
     assert out.tolist() == [0, 0, 0, 0, 1, 0]
 
 
-def test_layer_lru_unserved_ubatch_still_publishes_uploads(backend):
+def test_layer_lru_unserved_ubatch_still_publishes_uploads(impl):
     # a 2-token ubatch is not served (max_batch 1), but the upload pending after it becomes resident
     t = mk([[0], [[1], [2]], [0]], n_expert=4)
-    assert pred(t, "layer-lru", backend, slots_per_layer=2, phase="all") == [0, -1, -1, 1]
+    assert pred(t, "layer-lru", slots_per_layer=2, phase="all") == [0, -1, -1, 1]
     # served when the engine takes batches of 2: its lookups see the cache, and the lag is two steps again
-    assert pred(t, "layer-lru", backend, slots_per_layer=2, phase="all", max_batch=2) == [0, 0, 0, 1]
+    assert pred(t, "layer-lru", slots_per_layer=2, phase="all", max_batch=2) == [0, 0, 0, 1]
 
 
-def test_layer_lru_warm_across_an_interleaved_prefill(backend):
+def test_layer_lru_warm_across_an_interleaved_prefill(impl):
     # as in a server: decode, a prompt of two 2-token ubatches, decode again, all one stream.
     # The prefill is not served, the upload pending after it lands, and the cache stays warm.
     t = mk([[0], [1], [[2], [3]], [[0], [2]], [1], [2], [0], [1]], n_expert=4,
            phases={2: "prefill", 3: "prefill"})
     # after step 5 the upload of 2 evicts 1 (last used at step 3; 0 was used at step 5)
-    assert pred(t, "layer-lru", backend, slots_per_layer=2, phase="all") == [0, 0, -1, -1, -1, -1, 1, 0, 1, 0]
+    assert pred(t, "layer-lru", slots_per_layer=2, phase="all") == [0, 0, -1, -1, -1, -1, 1, 0, 1, 0]
 
 
-def test_layer_lru_layer_without_rows_in_a_ubatch(backend):
+def test_layer_lru_layer_without_rows_in_a_ubatch(impl):
     # in a prompt ubatch with no output token the last layer computes nothing (no rows), yet the
     # engine's bookkeeping after that ubatch publishes the layer's pending upload all the same
     rows = []
@@ -143,41 +119,41 @@ def test_layer_lru_layer_without_rows_in_a_ubatch(backend):
             rows += [("w", phase, u, tok, 0, r, e, -1) for r, e in enumerate(l0)]
             rows += [("w", phase, u, tok, 1, r, e, -1) for r, e in enumerate(l1 or [])]
     t = tr.from_frame(pd.DataFrame(rows, columns=tr.COLUMNS), tr.TraceMeta(2, 4, 1))
-    r = sim.simulate(t, "layer-lru", slots_per_layer=2, phase="all", backend=backend)
+    r = sim.simulate(t, "layer-lru", slots_per_layer=2, phase="all")
     f = t.frame.assign(p=r.predicted)
     assert f[f["layer"] == 1]["p"].tolist() == [0, 0, 1]
     assert f[f["layer"] == 0]["p"].tolist() == [0, 0, -1, -1, 1]
 
 
-def test_layer_lru_repeated_miss_within_a_step(backend):
+def test_layer_lru_repeated_miss_within_a_step(impl):
     t = mk([[[0, 1], [0, 2]], [[0, 1], [1, 2]], [[0, 1], [0, 2]]], n_expert=4)
     # step 1 misses all four lookups (0 twice); step 2 too (uploads land at step 3)
-    assert pred(t, "layer-lru", backend, slots_per_layer=4, max_batch=2) == [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert pred(t, "layer-lru", slots_per_layer=4, max_batch=2) == [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
 
 
-def test_layer_lru_prefill_not_served_and_counted_by_phase(backend):
+def test_layer_lru_prefill_not_served_and_counted_by_phase(impl):
     t = mk([[[0], [1], [2]], [0], [0], [0]], n_expert=4, phases={0: "prefill"})
-    r = sim.simulate(t, "layer-lru", slots_per_layer=2, backend=backend, phase="decode")
+    r = sim.simulate(t, "layer-lru", slots_per_layer=2, phase="decode")
     assert r.predicted.tolist() == [-1, -1, -1, 0, 0, 1]       # prefill leaves the cache cold
     assert (r.summary["accesses"][0], r.summary["hits"][0]) == (3, 1)
-    r = sim.simulate(t, "layer-lru", slots_per_layer=2, backend=backend, phase="all")
+    r = sim.simulate(t, "layer-lru", slots_per_layer=2, phase="all")
     assert (r.summary["accesses"][0], r.summary["misses"][0]) == (6, 5)
-    r = sim.simulate(t, "layer-lru", slots_per_layer=2, backend=backend, phase="prefill")
+    r = sim.simulate(t, "layer-lru", slots_per_layer=2, phase="prefill")
     assert (r.summary["accesses"][0], r.summary["hits"][0]) == (3, 0)
 
 
-def test_layer_lru_zero_slots_is_cache_off(backend):
+def test_layer_lru_zero_slots_is_cache_off(impl):
     t = mk([[0], [0], [0]], n_expert=4)
-    r = sim.simulate(t, "layer-lru", slots_per_layer=0, backend=backend)
+    r = sim.simulate(t, "layer-lru", slots_per_layer=0)
     assert r.predicted.tolist() == [-1, -1, -1] and r.summary["misses"][0] == 3
 
 
-def test_each_workload_starts_cold(backend):
+def test_each_workload_starts_cold(impl):
     a = mk([[0], [0], [0]], n_expert=4, workload="a")
     b = mk([[0], [0], [0]], n_expert=4, workload="b")
     t = tr.concat([a, b])
     for policy in ("layer-lru", "global-lru"):
-        r = sim.simulate(t, policy, slots_per_layer=2, backend=backend)
+        r = sim.simulate(t, policy, slots_per_layer=2)
         assert r.summary["workload"].tolist() == ["a", "b"]
         assert r.summary["hits"].tolist() == ([1, 1] if policy == "layer-lru" else [2, 2])
 
@@ -200,22 +176,22 @@ S2 = [[0], [0], [0], [1], [2], [1], [2], [0]]
     ("static", S2, [1, 1, 1, 1, 0, 1, 0, 1]),
     ("static", S1, [1, 1, 1, 0, 1, 0]),
 ])
-def test_global_policies_by_hand(backend, policy, seq, expected):
-    assert pred(mk(seq, n_expert=4), policy, backend, budget_entries=2) == expected
+def test_global_policies_by_hand(impl, policy, seq, expected):
+    assert pred(mk(seq, n_expert=4), policy, budget_entries=2) == expected
 
 
-def test_belady_bypasses_an_entry_needed_no_sooner(backend):
+def test_belady_bypasses_an_entry_needed_no_sooner(impl):
     # S1 at 2 entries: 2 and 3 are never needed again, so neither displaces 0
-    r = sim.simulate(mk(S1, n_expert=4), "belady", budget_entries=2, backend=backend)
+    r = sim.simulate(mk(S1, n_expert=4), "belady", budget_entries=2)
     assert r.summary["uploads"].tolist() == [2]
 
 
-def test_entries_the_step_needs_are_never_evicted(backend):
+def test_entries_the_step_needs_are_never_evicted(impl):
     # step 2 misses 3; the LRU entry is 1, but step 2 needs it: 2 is evicted and 1 hits
     # (a cache that admits lookup by lookup would evict 1 and miss it: see docs/traces.md)
     t = mk([[1, 2], [3, 1]], n_expert=4)
     for policy in ("global-lru", "fifo", "lfu"):
-        assert pred(t, policy, backend, budget_entries=2) == [0, 0, 0, 1]
+        assert pred(t, policy, budget_entries=2) == [0, 0, 0, 1]
 
 
 def two_layers(ubatches: list[list[list[int]]], n_expert: int = 4) -> tr.Trace:
@@ -225,36 +201,36 @@ def two_layers(ubatches: list[list[list[int]]], n_expert: int = 4) -> tr.Trace:
     return tr.from_frame(pd.DataFrame(rows, columns=tr.COLUMNS), tr.TraceMeta(2, n_expert, 1))
 
 
-def test_the_scan_guard_by_hand(backend):
+def test_the_scan_guard_by_hand(impl):
     """3 entries, 2 layers. Ubatch 1 wants 2 experts a layer: 2 x 2 layers > 3, a scan. Plain LRU
     evicts L0E0 then L1E0 for it; the guard admits at the least recent end, so the scan's misses
     evict each other (L0E1, L0E2 for layer 1's) and L1E0 is still there at ubatch 2."""
     t = two_layers([[[0, 0]], [[1, 1], [2, 2]], [[0, 0]]])
     # rows are token-major within a ubatch, as the frame above: (u0 L0, u0 L1, u1 t0 L0, u1 t0 L1, ...)
     order = np.lexsort((t.frame["rank"], t.frame["token"], t.frame["layer"], t.frame["ubatch"]))
-    plain = np.asarray(pred(t, "global-lru", backend, budget_entries=3))[order].tolist()
-    scan = np.asarray(pred(t, "global-lru-scan", backend, budget_entries=3))[order].tolist()
+    plain = np.asarray(pred(t, "global-lru", budget_entries=3))[order].tolist()
+    scan = np.asarray(pred(t, "global-lru-scan", budget_entries=3))[order].tolist()
     #          u0 L0, L1 | u1 L0 t0, t1 | u1 L1 t0, t1 | u2 L0, L1
     assert plain == [0, 0, 0, 0, 0, 0, 0, 0]
     assert scan == [0, 0, 0, 0, 0, 0, 0, 1]
     # at 4 entries the same ubatch fits (2 x 2 layers): the guard is off and the two policies agree
-    assert pred(t, "global-lru-scan", backend, budget_entries=4) == pred(t, "global-lru", backend, budget_entries=4)
+    assert pred(t, "global-lru-scan", budget_entries=4) == pred(t, "global-lru", budget_entries=4)
 
 
-def test_a_scans_repeats_hit_and_keep_its_admissions_at_the_least_recent_end(backend):
+def test_a_scans_repeats_hit_and_keep_its_admissions_at_the_least_recent_end(impl):
     """Ubatch 1 is a scan at 3 entries (2 distinct x 2 layers > 3). Layer 0 (1, 2, 1): 2 evicts
     L0E0 (L0E1 is needed), the repeat of 1 hits and leaves it at the least recent end. Layer 1
     (3, 0, 3): 3 evicts L0E2, the scan's last admission, not L0E1; L1E0, resident before, hits and
     becomes the most recent. Ubatch 2: L0E0 misses and evicts L1E3; L1E0 hits."""
     t = two_layers([[[0, 0]], [[1, 3], [2, 0], [1, 3]], [[0, 0]]])
     order = np.lexsort((t.frame["rank"], t.frame["token"], t.frame["layer"], t.frame["ubatch"]))
-    scan = np.asarray(pred(t, "global-lru-scan", backend, budget_entries=3))[order].tolist()
+    scan = np.asarray(pred(t, "global-lru-scan", budget_entries=3))[order].tolist()
     #        u0 L0, L1 | u1 L0: 1, 2, 1 | u1 L1: 3, 0, 3 | u2 L0, L1
     assert scan == [0, 0, 0, 0, 1, 0, 1, 1, 0, 1]
 
 
 @pytest.mark.parametrize("policy", ["global-lru", "global-lru-scan"])
-def test_the_prefetch_windows_lend_by_hand(backend, policy):
+def test_the_prefetch_windows_lend_by_hand(impl, policy):
     """2 entries and a window of 1 lent to decode, 2 layers of 4 experts. Decode (top-1: a quarter of
     the layer) holds 3 entries: at ubatch 2 both of ubatch 1's and L1E0 are still there, where 2
     entries hit only L0E1. Ubatch 3 wants half of each layer: it first evicts down to 2 (L1E1, the least
@@ -264,7 +240,7 @@ def test_the_prefetch_windows_lend_by_hand(backend, policy):
     order = np.lexsort((t.frame["rank"], t.frame["token"], t.frame["layer"], t.frame["ubatch"]))
 
     def run(**kw):
-        return np.asarray(pred(t, policy, backend, **kw))[order].tolist()
+        return np.asarray(pred(t, policy, **kw))[order].tolist()
     #                                          u0 L0, L1 | u1 L0, L1 | u2 L0, L1 | u3 L0: 1, 2 | u3 L1: 0, 3
     assert run(budget_entries=2, lend_entries=1) == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0]
     assert run(budget_entries=2) == [0, 0, 0, 0, 1, 0, 1, 0, 0, 0]
@@ -279,16 +255,16 @@ def test_a_bad_lend_is_refused():
         sim.simulate(t, "lfu", budget_entries=2, lend_entries=1)
 
 
-def test_instant_admission_within_a_multi_token_step(backend):
+def test_instant_admission_within_a_multi_token_step(impl):
     t = mk([[[0, 1], [0, 2]]], n_expert=4)
-    assert pred(t, "global-lru", backend, budget_entries=3) == [0, 0, 1, 0]
-    assert pred(t, "global-lru", backend, budget_entries=1) == [0, 0, 1, 0]   # 1 and 2 find no victim
-    assert pred(t, "global-lru", backend, budget_entries=0) == [0, 0, 0, 0]
+    assert pred(t, "global-lru", budget_entries=3) == [0, 0, 1, 0]
+    assert pred(t, "global-lru", budget_entries=1) == [0, 0, 1, 0]   # 1 and 2 find no victim
+    assert pred(t, "global-lru", budget_entries=0) == [0, 0, 0, 0]
     t = mk([[[0, 1], [1, 0]]], n_expert=4)
-    assert pred(t, "global-lru", backend, budget_entries=1) == [0, 0, 0, 1]   # a bypassed entry misses again
+    assert pred(t, "global-lru", budget_entries=1) == [0, 0, 0, 1]   # a bypassed entry misses again
 
 
-# --------------------------------------------------------------------------- the two backends agree
+# --------------------------------------------------------------------------- the core equals the oracle
 
 def random_trace(seed: int) -> tr.Trace:
     rng = np.random.default_rng(seed)
@@ -308,7 +284,7 @@ def random_trace(seed: int) -> tr.Trace:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_backends_identical_on_random_traces(core, seed):
+def test_core_equals_the_oracle_on_random_traces(core, seed):
     t = random_trace(seed)
     rp = sim.prepare(t)
     for policy in sim.POLICIES:
@@ -316,25 +292,27 @@ def test_backends_identical_on_random_traces(core, seed):
             for phase in ("decode", "all"):
                 for inserts, max_batch in (((0, 1), (1, 1), (2, 2), (0, 3)) if policy == "layer-lru" else ((0, 1),)):
                     kw = dict(budget_entries=entries, phase=phase, inserts=inserts, max_batch=max_batch)
-                    a = sim.simulate(rp, policy, backend="c", **kw)
-                    b = sim.simulate(rp, policy, backend="python", **kw)
+                    a = sim.simulate(rp, policy, **kw)
+                    with lru_oracle.instead_of_the_core():
+                        b = sim.simulate(rp, policy, **kw)
                     assert np.array_equal(a.predicted, b.predicted), (policy, kw)
                     pd.testing.assert_frame_equal(a.summary, b.summary)
 
 
-def test_backends_identical_on_granite(core, granite):
+def test_core_equals_the_oracle_on_granite(core, granite):
     rp = sim.prepare(granite)
     for policy in sim.POLICIES:
         for slots in (3, 8, 20):
-            a = sim.simulate(rp, policy, slots_per_layer=slots, phase="all", inserts=2, backend="c")
-            b = sim.simulate(rp, policy, slots_per_layer=slots, phase="all", inserts=2, backend="python")
+            a = sim.simulate(rp, policy, slots_per_layer=slots, phase="all", inserts=2)
+            with lru_oracle.instead_of_the_core():
+                b = sim.simulate(rp, policy, slots_per_layer=slots, phase="all", inserts=2)
             assert np.array_equal(a.predicted, b.predicted), (policy, slots)
             pd.testing.assert_frame_equal(a.summary, b.summary)
 
 
 # --------------------------------------------------------------------------- known values on the granite trace
 
-def test_granite_layer_lru_full_cache_misses_compulsory_plus_lag(granite, granite_raw, backend):
+def test_granite_layer_lru_full_cache_misses_compulsory_plus_lag(granite, granite_raw, impl):
     # 32 of 32 slots: nothing is ever evicted; an expert first selected at decode step f misses at f and,
     # because of the two-step lag, at f + 1 if selected again then. Derived from the raw JSON.
     expected = {}
@@ -348,34 +326,34 @@ def test_granite_layer_lru_full_cache_misses_compulsory_plus_lag(granite, granit
                     first.setdefault(e, s)
             misses += sum(1 + (f + 1 < len(steps) and e in steps[f + 1]) for e, f in first.items())
         expected[name] = misses
-    r = sim.simulate(granite, "layer-lru", slots_per_layer=32, backend=backend)
+    r = sim.simulate(granite, "layer-lru", slots_per_layer=32)
     assert dict(zip(r.summary["workload"], r.summary["misses"])) == expected
     # the prefill is not served: with --phase all its lookups are misses on top, and the decode ones do not change
-    r_all = sim.simulate(granite, "layer-lru", slots_per_layer=32, phase="all", backend=backend)
+    r_all = sim.simulate(granite, "layer-lru", slots_per_layer=32, phase="all")
     prefill = {n: len(p["prefill"]) * 24 * 8 for n, p in granite_raw["prompts"].items()}
     assert dict(zip(r_all.summary["workload"], r_all.summary["misses"])) == {n: expected[n] + prefill[n] for n in expected}
 
 
 @pytest.mark.parametrize("policy", ["global-lru", "fifo", "lfu", "belady"])
-def test_granite_full_global_cache_misses_only_compulsory(granite, granite_raw, backend, policy):
+def test_granite_full_global_cache_misses_only_compulsory(granite, granite_raw, impl, policy):
     for phase, parts in (("decode", ("decode",)), ("all", ("prefill", "decode"))):
         expected = {name: len({(layer, e) for part in parts for tok in p[part] for layer, ids in enumerate(tok) for e in ids})
                     for name, p in granite_raw["prompts"].items()}
-        r = sim.simulate(granite, policy, budget_entries=768, phase=phase, backend=backend)
+        r = sim.simulate(granite, policy, budget_entries=768, phase=phase)
         assert dict(zip(r.summary["workload"], r.summary["misses"])) == expected, phase
 
 
-def test_granite_global_lru_below_the_token_cycle_is_zero(granite, backend):
+def test_granite_global_lru_below_the_token_cycle_is_zero(granite, impl):
     # the token cycle is 24 x 8 = 192 entries. An entry survives to the next token only if the other 23
     # layers' 184 entries leave room: at or below 184 entries no lookup ever hits (0.0%, exactly)
     for entries in (1, 8, 100, 184):
         for policy in ("global-lru", "fifo", "lfu"):
-            r = sim.simulate(granite, policy, budget_entries=entries, backend=backend)
+            r = sim.simulate(granite, policy, budget_entries=entries)
             assert r.summary["hits"].sum() == 0, (policy, entries)
     # between 184 and 192 some of the layer's entries from the previous token survive: not zero
-    assert sim.simulate(granite, "global-lru", budget_entries=185, backend=backend).hit_rate > 0
+    assert sim.simulate(granite, "global-lru", budget_entries=185).hit_rate > 0
     # a per-layer partition has no such cliff
-    assert sim.simulate(granite, "layer-lru", budget_entries=184, backend=backend).hit_rate > 0.3
+    assert sim.simulate(granite, "layer-lru", budget_entries=184).hit_rate > 0.3
 
 
 def test_granite_overlap_and_reach(granite, granite_raw):
@@ -598,7 +576,7 @@ def test_size_cli(tmp_path, granite, capsys):
 
 # --------------------------------------------------------------------------- libcachesim, where its semantics match
 
-def test_libcachesim_agrees_when_a_step_is_one_lookup(backend):
+def test_libcachesim_agrees_when_a_step_is_one_lookup(impl):
     lcs = pytest.importorskip("libcachesim")
     seq = np.random.default_rng(3).zipf(1.3, 3000) % 40
     t = mk([[int(e)] for e in seq], n_expert=40)
@@ -606,9 +584,9 @@ def test_libcachesim_agrees_when_a_step_is_one_lookup(backend):
         for size in (4, 16):
             cache = theirs(cache_size=size)
             ref = [int(cache.get(lcs.Request(obj_id=int(e) + 1, obj_size=1))) for e in seq]
-            assert pred(t, ours, backend, budget_entries=size) == ref, (ours, size)
+            assert pred(t, ours, budget_entries=size) == ref, (ours, size)
     # with several lookups per step they differ: libcachesim evicts an entry the step still needs
     cache = lcs.LRU(cache_size=2)
     ref = [int(cache.get(lcs.Request(obj_id=e + 1, obj_size=1))) for e in (1, 2, 3, 1)]
     assert ref == [0, 0, 0, 0]
-    assert pred(mk([[1, 2], [3, 1]], n_expert=4), "global-lru", backend, budget_entries=2) == [0, 0, 0, 1]
+    assert pred(mk([[1, 2], [3, 1]], n_expert=4), "global-lru", budget_entries=2) == [0, 0, 0, 1]

@@ -1,20 +1,16 @@
-"""The compiled replay core (pybmoe/routing/_simcore.c) against its pure-Python twins, on unit
-streams built here (CPU only, ~5 s).
+"""The compiled replay core (pybmoe/routing/_simcore.c) against the tests' oracle (lru_oracle.py), on
+unit streams built here (CPU only, ~5 s).
 
 The core keeps each policy's residents in structures of its own (lists, frequency buckets, bit
 trees over next-use units and over entries; for layer-lru an array scanned up to 64 slots, a
 lazily updated heap above), so these streams are sized to reach what
 the random traces of test_sim.py do not: hundreds to thousands of entries, bit trees of two and
 three levels, many victims per step, steps that need every resident, resets within one call,
-repeated lookups within a step. Expected values are the Python twins' (sim._global_py,
-sim._layer_lru_py, written as docs/traces.md and docs/expert-cache.md state the rules), and a
+repeated lookups within a step. Expected values are the oracle's (lru_oracle.global_policy,
+lru_oracle.layer_lru, written as docs/traces.md and docs/expert-cache.md state the rules), and a
 few small cases worked out by hand.
 """
 from __future__ import annotations
-
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -23,23 +19,15 @@ import pytest
 from pybmoe.routing import sim
 from pybmoe.routing import trace as tr
 
-REPO = Path(__file__).resolve().parents[2]
+import lru_oracle
+
 GLOBAL = ("global-lru", "global-lru-scan", "fifo", "lfu", "belady")
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    """The core built from the current source (skip without a compiler and a prebuilt core)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        if sim.have_core():
-            return sim._load_core()
-        pytest.skip("no C compiler to build pybmoe/routing/_simcore.c and no prebuilt core")
-    out = tmp_path_factory.mktemp("simcore") / "_simcore.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(REPO / "pybmoe" / "routing" / "_simcore.c")],
-                   check=True)
-    assert sim.load_core(out), "the freshly built core did not load"
-    return sim._load_core()
+@pytest.fixture
+def lib(core):
+    """The compiled core, built from the current source (conftest.py)."""
+    return core
 
 
 def stream(seed: int, *, n_units: int, n_entries: int, max_len: int, p_reset: float = 0.0, p_empty: float = 0.0,
@@ -65,7 +53,7 @@ def run_global(lib, policy, start, flags, ids, n_entries, cap, n_layer=3, lend=0
     assert lib.pybmoe_sim_global(sim._GLOBAL_CODE[policy], len(flags), start, flags, ids, n_entries, cap, n_layer,
                                  lend, out_c, cnt_c) == 0
     out_p, cnt_p = np.empty(len(ids), np.int8), np.zeros(2, np.int64)
-    sim._global_py(policy, start, flags, ids, n_entries, cap, out_p, cnt_p, n_layer, lend)
+    lru_oracle.global_policy(policy, start, flags, ids, n_entries, cap, out_p, cnt_p, n_layer, lend)
     return (out_c, cnt_c), (out_p, cnt_p)
 
 
@@ -75,7 +63,7 @@ def run_global(lib, policy, start, flags, ids, n_entries, cap, n_layer=3, lend=0
     (2, 300, 5000, 8, 0.001),    # two-level bit tree over units, a reset within the call
     (3, 130, 1500, 40, 0.0),     # multi-token steps: repeats, many victims per step
 ])
-def test_global_core_matches_the_python_twin(lib, seed, n_entries, n_units, max_len, p_reset):
+def test_global_core_matches_the_oracle(lib, seed, n_entries, n_units, max_len, p_reset):
     start, flags, ids = stream(seed, n_units=n_units, n_entries=n_entries, max_len=max_len, p_reset=p_reset)
     for cap in sorted({0, 1, 2, 5, n_entries // 7, n_entries // 2, n_entries - 1, n_entries, n_entries + 3}):
         for policy in GLOBAL:
@@ -102,29 +90,20 @@ def test_global_core_deep_bit_trees(lib):
 
 @pytest.mark.parametrize("seed,n_expert,max_len,served", [(5, 16, 4, 1.0), (6, 64, 12, 0.9), (7, 5, 3, 0.7),
                                                           (9, 150, 16, 0.95)])
-def test_layer_lru_core_matches_the_python_twin(lib, seed, n_expert, max_len, served):
+def test_layer_lru_core_matches_the_oracle(lib, seed, n_expert, max_len, served):
     # up to 64 slots the core scans its residents for the victim, above that it keeps a heap
     start, flags, ids = stream(seed, n_units=3000, n_entries=n_expert, max_len=max_len, p_reset=0.01, served=served)
     for slots in sorted({1, 2, n_expert // 3, 64, 65, n_expert - 1, n_expert} & set(range(1, n_expert + 1))):
         for cap, staging in ((0, 0), (0, 4), (1, 1), (3, 8)):
-            out_c, cnt_c = np.empty(len(ids), np.int8), np.zeros(2, np.int64)
-            assert lib.pybmoe_sim_layer_lru(len(flags), start, flags, ids, n_expert, slots, cap, staging, out_c,
-                                            cnt_c) == 0
-            out_p, cnt_p = np.empty(len(ids), np.int8), np.zeros(2, np.int64)
-            sim._layer_lru_py(start, flags, ids, n_expert, slots, cap, staging, out_p, cnt_p)
-            assert np.array_equal(out_c, out_p), (slots, cap, staging)
-            assert np.array_equal(cnt_c, cnt_p), (slots, cap, staging)
-            # with an admission rule (window 0: always, the same as above; W > 0: second miss)
+            # the admission rule: window 0, always; W > 0, second miss
             for window in (0, 1, 3):
-                out_a, cnt_a = np.empty(len(ids), np.int8), np.zeros(3, np.int64)
+                out_c, cnt_c = np.empty(len(ids), np.int8), np.zeros(3, np.int64)
                 assert lib.pybmoe_sim_layer_lru_admit(len(flags), start, flags, ids, n_expert, slots, cap, staging,
-                                                      window, out_a, cnt_a) == 0
-                out_q, cnt_q = np.empty(len(ids), np.int8), np.zeros(3, np.int64)
-                sim._layer_lru_py(start, flags, ids, n_expert, slots, cap, staging, out_q, cnt_q, window)
-                assert np.array_equal(out_a, out_q), (slots, cap, staging, window)
-                assert np.array_equal(cnt_a, cnt_q), (slots, cap, staging, window)
-                if window == 0:
-                    assert np.array_equal(out_a, out_c) and np.array_equal(cnt_a[:2], cnt_c)
+                                                      window, out_c, cnt_c) == 0
+                out_p, cnt_p = np.empty(len(ids), np.int8), np.zeros(3, np.int64)
+                lru_oracle.layer_lru(start, flags, ids, n_expert, slots, cap, staging, out_p, cnt_p, window)
+                assert np.array_equal(out_c, out_p), (slots, cap, staging, window)
+                assert np.array_equal(cnt_c, cnt_p), (slots, cap, staging, window)
 
 
 def test_layer_lru_core_refuses_a_negative_window(lib):
@@ -152,10 +131,8 @@ def one_layer(steps: list[list[int]], n_expert: int = 4) -> tr.Trace:
     # belady: 3 and 2 are both needed next at step 3, 0 sooner: the lower id (2) goes for it
     ("belady", [[3, 2], [0], [0], [2, 3]], [0, 0, 0, 1, 0, 1]),
 ])
-def test_ties_by_hand(lib, policy, steps, expected):
-    for backend in ("c", "python"):
-        r = sim.simulate(one_layer(steps), policy, budget_entries=2, backend=backend)
-        assert r.predicted.tolist() == expected, backend
+def test_ties_by_hand(impl, policy, steps, expected):
+    assert sim.simulate(one_layer(steps), policy, budget_entries=2).predicted.tolist() == expected
 
 
 # --------------------------------------------------------------------------- the frame's row order
@@ -179,8 +156,8 @@ def test_results_follow_the_frame_rows_in_any_order(lib):
     for policy in sim.POLICIES:
         for phase in ("decode", "all"):
             for entries in (6, 20):
-                ra = sim.simulate(a, policy, budget_entries=entries, phase=phase, backend="c")
-                rb = sim.simulate(b, policy, budget_entries=entries, phase=phase, backend="c")
+                ra = sim.simulate(a, policy, budget_entries=entries, phase=phase)
+                rb = sim.simulate(b, policy, budget_entries=entries, phase=phase)
                 assert np.array_equal(ra.predicted[perm], rb.predicted), (policy, phase, entries)
                 by_name = [x.summary.sort_values("workload", ignore_index=True) for x in (ra, rb)]
                 pd.testing.assert_frame_equal(*by_name)
