@@ -35,7 +35,7 @@ llama_moe_dense::~llama_moe_dense() {
 // the process killed); else mmap. With --moe-stream-cache-mb auto, mmap: auto sizes the budget beside the
 // dense weights and leaves its floor, so the mapped dense pages stay cached (a few major faults per run),
 // and where memory runs short the kernel can drop a few of them instead of scanning for the little else it
-// may reclaim. Measured at auto budgets (docs/stream-tier.md, "Why auto gets mmap"; tg32, cold, interleaved,
+// may reclaim. Measured at auto budgets (docs/benchmarks/dense-policy-2026-12-05/README.md; tg32, cold, interleaved,
 // medians): mmap decoded 6-21 % faster than anon at A 3x, A 5x, B 3x (twice) and C 3x, at equal hits and
 // bytes read, with less io wait; anon was faster at C 5x (granite), B 5x split. One INFO line gives the
 // pick and the figures.

@@ -4,8 +4,8 @@
 //
 // Why: with a CPU left to the read lanes, reads behind compute never lost (docs/stream-tier.md, "Reads
 // behind compute"); with every core computing, the answer depends on the machine: 0.79-0.99x of the
-// blocking step on one 2-core machine, 1.03-1.30x on another (docs/benchmarks.md, "Decode against the
-// chain limit"). So there the tier times it: its first decode tokens alternate with and without, and
+// blocking step on one 2-core machine, 1.03-1.30x on another (docs/benchmarks/stream-chain-2026-12-05/README.md
+// and stream-moved-2026-12-05/README.md). So there the tier times it: its first decode tokens alternate with and without, and
 // the faster way stays.
 //
 // How: the stream step of the first streamed layer calls token() once per ubatch. A decode ubatch's
