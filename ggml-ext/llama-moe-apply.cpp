@@ -29,8 +29,13 @@ static std::string llama_moe_apply_count(int32_t n, int32_t auto_value) {
 
 // the expert cache: max batch, slots, then its settings (each needs the cache on)
 static int32_t llama_moe_apply_cache(llama_model * model, const llama_moe_params & p, llama_moe_apply_report & rep) {
-    if (p.cache_slots == 0) {
+    if (p.cache_slots == 0 && p.cache_mib == 0) {
         return LLAMA_MOE_APPLY_OK;
+    }
+    if (p.cache_slots != 0 && p.cache_mib != 0) {
+        LLAMA_LOG_ERROR("%s: --moe-expert-cache %s and --moe-expert-cache-mb %d (--moe-cache-mib) are mutually exclusive: "
+                "give one\n", __func__, llama_moe_apply_count(p.cache_slots, LLAMA_MOE_CACHE_AUTO).c_str(), p.cache_mib);
+        return LLAMA_MOE_APPLY_ERR_PARAMS;
     }
     if (p.cache_max_batch > 0 && llama_model_moe_cache_set_max_batch(model, p.cache_max_batch) < 0) {
         if (p.cache_max_batch > LLAMA_MOE_CACHE_MAX_BATCH_LIMIT) {
@@ -39,21 +44,24 @@ static int32_t llama_moe_apply_cache(llama_model * model, const llama_moe_params
         }
         return LLAMA_MOE_APPLY_ERR_CACHE_MAX_BATCH;
     }
-    const std::string slots = llama_moe_apply_count(p.cache_slots, LLAMA_MOE_CACHE_AUTO);
-    rep.cache = llama_model_moe_cache_init_budget(model, p.cache_slots, p.cache_inserts, p.cache_floor_mib, p.cache_ceil_mib);
+    // the flag as the user gave it: slots per layer, or MiB per device
+    const std::string slots = p.cache_mib > 0 ? "--moe-expert-cache-mb " + std::to_string(p.cache_mib)
+                                              : "--moe-expert-cache " + llama_moe_apply_count(p.cache_slots, LLAMA_MOE_CACHE_AUTO);
+    rep.cache = p.cache_mib > 0 ? llama_model_moe_cache_init_mib(model, p.cache_mib, p.cache_inserts, p.cache_floor_mib)
+                                : llama_model_moe_cache_init_budget(model, p.cache_slots, p.cache_inserts, p.cache_floor_mib,
+                                                                    p.cache_ceil_mib);
     if (rep.cache == LLAMA_MOE_CACHE_ERR_NO_ROOM) {
-        LLAMA_LOG_ERROR("%s: --moe-expert-cache %s does not fit device memory (see the moe-cache line above)\n", __func__,
-                slots.c_str());
+        LLAMA_LOG_ERROR("%s: %s does not fit device memory (see the moe-cache line above)\n", __func__, slots.c_str());
         return LLAMA_MOE_APPLY_ERR_CACHE_NO_ROOM;
     }
     if (rep.cache < 0) {
         if (p.strict) {
-            LLAMA_LOG_ERROR("%s: --moe-expert-cache %s was requested but the expert cache is OFF (see the moe-cache lines "
-                    "above)\n", __func__, slots.c_str());
+            LLAMA_LOG_ERROR("%s: %s was requested but the expert cache is OFF (see the moe-cache lines above)\n", __func__,
+                    slots.c_str());
             return LLAMA_MOE_APPLY_ERR_CACHE_OFF;
         }
-        LLAMA_LOG_WARN("%s: --moe-expert-cache %s was requested but the expert cache is OFF (see the moe-cache lines above)\n",
-                __func__, slots.c_str());
+        LLAMA_LOG_WARN("%s: %s was requested but the expert cache is OFF (see the moe-cache lines above)\n", __func__,
+                slots.c_str());
         return LLAMA_MOE_APPLY_OK;
     }
     if (rep.cache == 0) {

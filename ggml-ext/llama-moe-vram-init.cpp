@@ -179,24 +179,6 @@ static void llama_moe_vram_cap_batch(llama_moe_cache & mc, const std::map<ggml_b
     }
 }
 
-// MiB of one slot in every layer of `ils`, and of their bias copies
-static void llama_moe_vram_layer_mib(const llama_model & model, const std::vector<int> & ils, double & per_slot, double & fixed) {
-    per_slot = 0.0;
-    fixed    = 0.0;
-    for (int il : ils) {
-        const auto & layer = model.layers[il];
-        const ggml_tensor * bias[LLAMA_MOE_N_BIAS] = {};
-        for (int b = 0, nb = llama_moe_bias_list(layer, bias); b < nb; ++b) {
-            fixed += ggml_nbytes(bias[b]) / 1024.0 / 1024.0;
-        }
-        const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
-        const int n_proj = llama_moe_layer_exps(layer, exps);
-        for (int p = 0; p < n_proj; ++p) {
-            per_slot += exps[p]->nb[2] / 1024.0 / 1024.0;
-        }
-    }
-}
-
 // the --fit probe: the slot tensors of each device, in a dummy buffer that the model's memory
 // breakdown sizes from its context (as for the probe's own weights)
 static void llama_moe_vram_fit_count(llama_model & model, const std::map<ggml_backend_buffer_type_t, std::vector<int>> & by_buft,
@@ -351,81 +333,6 @@ static void llama_moe_vram_alloc_host(llama_moe_cache & mc) {
     vram.publish(); // every layer is dirty since add_layer
 }
 
-using llama_moe_vram_by_buft = std::map<ggml_backend_buffer_type_t, std::vector<int>>;
-
-// slots per device: fixed, or (auto) the most that fit the device's free memory minus the floor, capped by
-// the ceiling; chosen once, here, and never resized during generation. A device auto leaves at 0 slots is
-// dropped from by_buft. false: a fixed size does not fit a device (its line is logged)
-static bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_cache & mc, llama_moe_vram_by_buft & by_buft,
-                                        std::map<ggml_backend_buffer_type_t, int32_t> & slots_of, int32_t n_slots,
-                                        int32_t n_expert, bool is_auto, bool estimate, int32_t floor_mib, int32_t ceil_mib,
-                                        const std::function<int32_t(int32_t)> & stage_for) {
-    // (a --fit probe sizes fixed slots only: auto takes what is left after fitting, so it reserves nothing there)
-    for (auto it = by_buft.begin(); it != by_buft.end(); ) {
-        const auto & [buft, ils] = *it;
-        int32_t s = n_slots;
-        if (estimate && is_auto) {
-            it = by_buft.erase(it);
-            continue;
-        }
-        double per_slot = 0.0; // MiB of one slot in every layer on this device
-        double fixed    = 0.0; // MiB of the bias copies of every layer on this device
-        llama_moe_vram_layer_mib(model, ils, per_slot, fixed);
-        auto fits = [&](int32_t c, double budget) { return (c + stage_for(c) + 1) * per_slot + fixed <= budget; };
-        ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
-        size_t free = 0, total = 0;
-        ggml_backend_dev_memory(dev, &free, &total);
-        const double reserve_mib = mc.reserve.count(dev) ? mc.reserve.at(dev) / 1024.0 / 1024.0 : 0.0;
-        double budget = free / 1024.0 / 1024.0 - reserve_mib - floor_mib;
-        if (!is_auto && !estimate && !fits(s, budget)) {
-            // a fixed size the device cannot hold is an error at load, not an allocation failure later
-            int32_t most = 0;
-            for (int32_t c = s - 1; c > 0; --c) {
-                if (fits(c, budget)) {
-                    most = c;
-                    break;
-                }
-            }
-            LLAMA_LOG_ERROR("%s: moe-cache: %d slots/layer need %.1f MiB on %s (%zu layers x (%d slots + %d staging + 1 zero) "
-                    "x %.3f MiB%s), but it has %.0f MiB free%s and --moe-expert-cache-floor-mb keeps %d MiB free; %s\n",
-                    __func__, s, (s + stage_for(s) + 1) * per_slot + fixed, ggml_backend_buft_name(buft), ils.size(), s,
-                    stage_for(s), per_slot / ils.size(),
-                    fixed > 0 ? format(" + %.2f MiB of expert biases", fixed).c_str() : "", free / 1024.0 / 1024.0,
-                    reserve_mib > 0 ? format(" (%.0f MiB set aside for contexts)", reserve_mib).c_str() : "", floor_mib,
-                    most > 0 ? format("at most %d slots/layer fit (or use auto)", most).c_str()
-                             : "the device is too small for even one slot per layer");
-            return false;
-        }
-        if (is_auto) {
-            if (ceil_mib > 0) {
-                budget = std::min(budget, (double) ceil_mib);
-            }
-            s = 0;
-            for (int32_t c = n_expert; c > 0; --c) {
-                if (fits(c, budget)) {
-                    s = c;
-                    break;
-                }
-            }
-            LLAMA_LOG("%s: moe-cache: auto on %s: %.0f MiB free - %.0f MiB reserved for contexts - %d MiB floor%s -> "
-                    "%d slots/layer for %zu layers (%.2f MiB per slot of every layer)\n", __func__,
-                    ggml_backend_buft_name(buft), free / 1024.0 / 1024.0, reserve_mib, floor_mib,
-                    ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", s, ils.size(), per_slot);
-            if (s == 0) {
-                LLAMA_LOG_WARN("%s: moe-cache: WARNING auto resolved to 0 slots on %s: %.1f MiB left after the floor "
-                        "(and ceiling) cannot hold one slot per layer plus staging and the zero slot (%.1f MiB); "
-                        "its %zu layers are not cached\n", __func__, ggml_backend_buft_name(buft), budget,
-                        (2 + stage_for(1)) * per_slot, ils.size());
-                it = by_buft.erase(it);
-                continue;
-            }
-        }
-        slots_of[buft] = s;
-        ++it;
-    }
-    return true;
-}
-
 // the tier's start line, its metrics preamble (one line, key=value, parsed by pybmoe.engine.parse_cache_preamble)
 // and the cliff guard's WARN
 static void llama_moe_vram_log_start(const llama_moe_vram & vram, const llama_moe_cache & owner, int n_moe, int32_t n_expert,
@@ -456,18 +363,19 @@ static void llama_moe_vram_log_start(const llama_moe_vram & vram, const llama_mo
     }
 }
 
-int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inserts, int32_t floor_mib, int32_t ceil_mib) {
+int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inserts, int32_t floor_mib, int32_t ceil_mib,
+                            int32_t budget_mib) {
     const bool is_auto = n_slots == LLAMA_MOE_CACHE_AUTO;
     if (model == nullptr) {
         LLAMA_LOG_ERROR("%s: moe-cache: no model\n", __func__);
         return -1;
     }
-    if ((n_slots < 0 && !is_auto) || n_inserts < 0 || floor_mib < 0 || ceil_mib < 0) {
-        LLAMA_LOG_ERROR("%s: moe-cache: slots (%d), inserts (%d), floor (%d MiB) and ceil (%d MiB) must be >= 0\n",
-                __func__, n_slots, n_inserts, floor_mib, ceil_mib);
+    if ((n_slots < 0 && !is_auto) || n_inserts < 0 || floor_mib < 0 || ceil_mib < 0 || budget_mib < 0) {
+        LLAMA_LOG_ERROR("%s: moe-cache: slots (%d), inserts (%d), floor (%d MiB), ceil (%d MiB) and budget (%d MiB) must be "
+                ">= 0\n", __func__, n_slots, n_inserts, floor_mib, ceil_mib, budget_mib);
         return -1;
     }
-    if (n_slots == 0) {
+    if (n_slots == 0 && budget_mib == 0) {
         return 0;
     }
     const auto & hp = model->hparams;
@@ -480,8 +388,8 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     const bool estimate = hp.no_alloc;
     llama_moe_cache * mc = model->moe_cache;
     if (mc == nullptr || mc->sources.empty()) {
-        LLAMA_LOG_ERROR("%s: moe-cache: requested %d slots but the model was not loaded from a GGUF file path, "
-                "so expert bytes have no source; the cache is OFF\n", __func__, n_slots);
+        LLAMA_LOG_ERROR("%s: moe-cache: the cache was requested but the model was not loaded from a GGUF file path, "
+                "so expert bytes have no source; the cache is OFF\n", __func__);
         return -1;
     }
     auto & vram = mc->vram;
@@ -491,8 +399,8 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     }
     const int32_t n_expert = (int32_t) hp.n_expert;
     const int32_t n_used   = (int32_t) hp.n_expert_used();
-    const int32_t n_req = n_slots;
-    if (is_auto) {
+    const std::string req = is_auto ? "auto" : budget_mib > 0 ? format("%d MiB of", budget_mib) : std::to_string(n_slots);
+    if (is_auto || budget_mib > 0) {
         n_slots = n_expert; // the most any device can get; each device is sized below
     } else if (n_slots > n_expert) {
         LLAMA_LOG_INFO("%s: moe-cache: %d slots > %d experts per layer, clamped to %d\n", __func__, n_slots, n_expert, n_expert);
@@ -512,7 +420,7 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
         LLAMA_LOG_WARN("%s: moe-cache: WARNING requested %s slots but there is no device to hold them (this build has no "
                 "GPU backend and no --rpc device was given): the cache is OFF; pass --rpc HOST:PORT (a ggml-rpc-server) "
                 "or build with a GPU backend (CMAKE_ARGS=-DGGML_CUDA=ON or -DGGML_VULKAN=ON)\n", __func__,
-                is_auto ? "auto" : std::to_string(n_req).c_str());
+                req.c_str());
         return -1;
     }
     if (by_buft.empty()) {
@@ -522,7 +430,7 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
         LLAMA_LOG_WARN("%s: moe-cache: WARNING requested %s slots but none of the %d MoE layers has host-resident experts "
                 "with a device-resident router (offload layers with -ngl and keep experts on the host with --cpu-moe, "
                 "--n-cpu-moe or -ot exps=CPU); the cache is OFF\n", __func__,
-                is_auto ? "auto" : std::to_string(n_req).c_str(), n_moe);
+                req.c_str(), n_moe);
         return -1;
     }
     llama_moe_vram_cap_batch(*mc, by_buft);
@@ -535,7 +443,7 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     // slots per device (a --fit probe sizes fixed slots only: auto takes what is left after fitting)
     std::map<ggml_backend_buffer_type_t, int32_t> slots_of;
     if (!llama_moe_vram_size_devices(*model, *mc, by_buft, slots_of, n_slots, n_expert, is_auto, estimate, floor_mib, ceil_mib,
-                                     stage_for)) {
+                                     budget_mib, stage_for)) {
         return LLAMA_MOE_CACHE_ERR_NO_ROOM;
     }
     if (by_buft.empty()) {
@@ -607,7 +515,7 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
 void llama_moe_vram_fit_probe(llama_model & model, const std::string & path) {
     const auto & fit = g_llama_moe_fit;
     if (model.hparams.no_alloc && fit.slots > 0 && path == fit.path) {
-        llama_moe_vram_init(&model, fit.slots, fit.inserts, 0, 0);
+        llama_moe_vram_init(&model, fit.slots, fit.inserts, 0, 0, 0);
     }
 }
 
@@ -616,16 +524,24 @@ void llama_moe_vram_fit_probe(llama_model & model, const std::string & path) {
 //
 
 int32_t llama_model_moe_cache_init(llama_model * model, int32_t n_slots, int32_t n_inserts) {
-    return llama_moe_vram_init(model, n_slots, n_inserts, LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT, 0);
+    return llama_moe_vram_init(model, n_slots, n_inserts, LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT, 0, 0);
 }
 
 int32_t llama_model_moe_cache_init_budget(llama_model * model, int32_t n_slots, int32_t n_inserts,
                                           int32_t floor_mib, int32_t ceil_mib) {
-    return llama_moe_vram_init(model, n_slots, n_inserts, floor_mib, ceil_mib);
+    return llama_moe_vram_init(model, n_slots, n_inserts, floor_mib, ceil_mib, 0);
+}
+
+int32_t llama_model_moe_cache_init_mib(llama_model * model, int32_t budget_mib, int32_t n_inserts, int32_t floor_mib) {
+    if (budget_mib <= 0) {
+        LLAMA_LOG_ERROR("%s: moe-cache: --moe-expert-cache-mb %d: give 1 MiB or more (or auto)\n", __func__, budget_mib);
+        return -1;
+    }
+    return llama_moe_vram_init(model, 0, n_inserts, floor_mib, 0, budget_mib);
 }
 
 int32_t llama_model_moe_cache_init_auto(llama_model * model, int32_t n_inserts, int32_t floor_mib, int32_t ceil_mib) {
-    return llama_moe_vram_init(model, LLAMA_MOE_CACHE_AUTO, n_inserts, floor_mib, ceil_mib);
+    return llama_moe_vram_init(model, LLAMA_MOE_CACHE_AUTO, n_inserts, floor_mib, ceil_mib, 0);
 }
 
 void llama_moe_cache_fit_request(const char * path_model, int32_t n_slots, int32_t n_inserts) {

@@ -32,6 +32,8 @@
 #include "ggml-cpp.h"
 
 #include <atomic>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -187,10 +189,24 @@ struct llama_moe_vram : llama_moe_device_residents {
 
 struct llama_model;
 
+// llama-moe-vram-sizing.cpp: the MiB of one slot in every layer of `ils` and of their bias copies; and
+// the slots per device: fixed (n_slots), auto (free memory minus what the contexts take and floor_mib,
+// capped by ceil_mib) or budget_mib > 0 (MiB per device); stage_for(slots) gives the staging slots. A
+// device auto leaves at 0 slots is dropped from by_buft; false (logged): a fixed count or a MiB budget
+// does not fit a device.
+struct llama_moe_cache;
+using llama_moe_vram_by_buft = std::map<ggml_backend_buffer_type_t, std::vector<int>>;
+void llama_moe_vram_layer_mib(const llama_model & model, const std::vector<int> & ils, double & per_slot, double & fixed);
+bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_cache & mc, llama_moe_vram_by_buft & by_buft,
+                                 std::map<ggml_backend_buffer_type_t, int32_t> & slots_of, int32_t n_slots,
+                                 int32_t n_expert, bool is_auto, bool estimate, int32_t floor_mib, int32_t ceil_mib,
+                                 int32_t budget_mib, const std::function<int32_t(int32_t)> & stage_for);
+
 // llama-moe-vram-init.cpp: selects the layers, sizes the slots (fixed or auto, floor, ceiling),
 // allocates the companions and starts the uploader; the C API's init entry points and the --fit
 // probe (n_slots == LLAMA_MOE_CACHE_AUTO: auto)
-int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inserts, int32_t floor_mib, int32_t ceil_mib);
+int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inserts, int32_t floor_mib, int32_t ceil_mib,
+                            int32_t budget_mib);
 
 // called on every load: when this thread asked for --fit accounting of this file
 // (llama_moe_cache_fit_request) and the load is a memory estimate, counts the slots in it

@@ -14,6 +14,7 @@ target_sources(llama PRIVATE
     ${PYBMOE_EXT_DIR}/llama-moe-waves.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-vram.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-vram-init.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-vram-sizing.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-stream.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-stream-budget.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-stream-init.cpp

@@ -87,6 +87,15 @@ LLAMA_API int32_t llama_model_moe_cache_set_max_batch(struct llama_model * model
 LLAMA_API int32_t llama_model_moe_cache_init_budget(struct llama_model * model, int32_t n_slots, int32_t n_inserts,
                                                     int32_t floor_mib, int32_t ceil_mib);
 
+// The cache sized in MiB per device (--moe-expert-cache-mb N; upstream's --moe-cache-mib N and
+// LLAMA_ARG_MOE_CACHE_MIB are the same option): each device holds the most slots per layer whose
+// slots, staging and zero slot fit budget_mib (1 .. INT32_MAX). A budget over the device's free memory
+// minus floor_mib (and what llama_model_moe_cache_reserve set aside), or under one slot per layer, is
+// LLAMA_MOE_CACHE_ERR_NO_ROOM, with one ERROR line giving the range that fits. Results as
+// llama_model_moe_cache_init.
+LLAMA_API int32_t llama_model_moe_cache_init_mib(struct llama_model * model, int32_t budget_mib, int32_t n_inserts,
+                                                 int32_t floor_mib);
+
 // Sets aside nbytes of dev's memory ahead of the cache, e.g. the projected KV cache and compute
 // buffers of the contexts to come (common measures them with a no_alloc probe). Call before init;
 // the slots are sized from free - reserve - floor. Returns false without a GGUF-loaded model or
@@ -299,6 +308,7 @@ LLAMA_API bool llama_model_moe_stream_get_layer_stats(const struct llama_model *
 struct llama_moe_params {
     // the VRAM tier (--moe-expert-cache and its companions)
     int32_t cache_slots;        // slots per host-resident MoE layer: 0 = off, or LLAMA_MOE_CACHE_AUTO
+    int32_t cache_mib;          // or MiB per device (--moe-expert-cache-mb, --moe-cache-mib): 0 = sized by cache_slots
     int32_t cache_inserts;      // uploads per layer per decode step (0 = unlimited)
     int32_t cache_floor_mib;    // MiB left free on each device (default LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT)
     int32_t cache_ceil_mib;     // auto: the most MiB per device (0 = no cap)
@@ -343,7 +353,7 @@ struct llama_moe_apply_report {
 // llama_model_moe_apply's result: OK, or which step refused (its ERROR line, naming the flag, is logged)
 enum llama_moe_apply_status {
     LLAMA_MOE_APPLY_OK                 =   0,
-    LLAMA_MOE_APPLY_ERR_PARAMS         =  -1, // no model, no params
+    LLAMA_MOE_APPLY_ERR_PARAMS         =  -1, // no model, no params, or both cache_slots and cache_mib
     LLAMA_MOE_APPLY_ERR_CACHE_MAX_BATCH = -2, // cache_max_batch out of 1 .. LLAMA_MOE_CACHE_MAX_BATCH_LIMIT
     LLAMA_MOE_APPLY_ERR_CACHE_NO_ROOM  =  -3, // fixed slots do not fit a device
     LLAMA_MOE_APPLY_ERR_CACHE_OFF      =  -4, // strict: the cache asked for did not engage

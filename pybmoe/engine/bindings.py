@@ -138,6 +138,7 @@ class MoeParamsC(ctypes.Structure):
 
     _fields_ = [
         ("cache_slots", ctypes.c_int32),
+        ("cache_mib", ctypes.c_int32),
         ("cache_inserts", ctypes.c_int32),
         ("cache_floor_mib", ctypes.c_int32),
         ("cache_ceil_mib", ctypes.c_int32),
@@ -684,6 +685,7 @@ class _LoadPlan:
     path: str
     asked: dict
     slots: int = 0
+    cache_mb: int = 0                 # or MiB per device (moe_expert_cache_mb)
     inserts: int = 0
     warmup: int = 0
     upload_mb: int = 0
@@ -726,7 +728,7 @@ def _moe_params(plan: _LoadPlan) -> MoeParamsC:
     """The plan's tier options as ``struct llama_moe_params`` (strict: a tier asked for that does not
     engage is an error). The paths' bytes live as long as the struct."""
     p = _llama_lib().llama_moe_default_params()
-    p.cache_slots, p.cache_inserts = plan.slots, plan.inserts
+    p.cache_slots, p.cache_mib, p.cache_inserts = plan.slots, plan.cache_mb, plan.inserts
     p.cache_floor_mib, p.cache_ceil_mib = plan.floor_mb, plan.ceil_mb
     p.cache_admit_window, p.cache_warmup, p.cache_upload_mib = plan.admit_window, plan.warmup, plan.upload_mb
     p.cache_sync = plan.sync
@@ -754,7 +756,8 @@ def _after_load(plan: _LoadPlan, model) -> None:
     mark = _log_mark()  # the reasons below are the tiers' lines, not the loader's
     params, rep = _moe_params(plan), MoeApplyReportC()
     rc = lib.llama_model_moe_apply(m, ctypes.byref(params), ctypes.byref(rep))
-    cache = f"moe_expert_cache={asked['moe_expert_cache']!r}"
+    cache = (f"moe_expert_cache_mb={asked['moe_expert_cache_mb']!r}" if plan.cache_mb
+             else f"moe_expert_cache={asked['moe_expert_cache']!r}")
     stream = f"moe_stream_cache_mb={asked['moe_stream_cache_mb']!r}"
     if rc == LLAMA_MOE_APPLY_ERR_CACHE_OFF and not plan.device_names:
         msg = (f"{cache} needs a device to hold the slots, and this model has none: this build has no GPU "
@@ -765,7 +768,8 @@ def _after_load(plan: _LoadPlan, model) -> None:
         raise ValueError(msg)
     why = {  # each built only for its result (a path is None unless asked for)
         LLAMA_MOE_APPLY_ERR_CACHE_NO_ROOM: lambda: f"{cache} does not fit the device's free memory minus "
-                                                   f"moe_expert_cache_floor_mb={plan.floor_mb} MiB",
+                                                   f"moe_expert_cache_floor_mb={plan.floor_mb} MiB"
+                                                   + (" (or is under one slot per layer)" if plan.cache_mb else ""),
         LLAMA_MOE_APPLY_ERR_CACHE_OFF: lambda: f"{cache} was requested but the expert cache did not engage on "
                                                f"{', '.join(plan.device_names)} (no host-resident MoE layer with a "
                                                "device-resident router: give n_gpu_layers and cpu_moe; or no room)",
@@ -786,10 +790,11 @@ def _after_load(plan: _LoadPlan, model) -> None:
     # as llama-server: a flag on a model with no MoE layers is inert, and says so (a WARN line there). The
     # frames up to the caller: this one, the _model setter, llama_cpp.Llama.__init__, Llama.__init__
     for flag, asked_for, result in (("moe_expert_cache", plan.slots != 0, rep.cache),
+                                    ("moe_expert_cache_mb", plan.cache_mb != 0, rep.cache),
                                     ("moe_stream_cache_mb", plan.stream_mb != 0, rep.stream)):
         if asked_for and result == 0:
             warnings.warn(f"{flag}={asked[flag]!r} is inert: the model has no MoE layers", RuntimeWarning, stacklevel=5)
-    if plan.slots != 0:
+    if plan.slots != 0 or plan.cache_mb != 0:
         st = MoeCacheStatsC()
         if lib.llama_model_moe_cache_get_stats(m, ctypes.byref(st)):
             plan.slots_allocated = st.n_slots
@@ -805,6 +810,11 @@ class Llama(llama_cpp.Llama):
             ``moe_expert_cache_ceil_mb``). 0 = off. Fixed slots must fit each device's free
             memory minus the floor (MiB), else ValueError. Unlike ``llama-server``, ``auto`` here
             does not measure the context's KV and compute memory first: keep the floor above it.
+        moe_expert_cache_mb: the cache in MiB per device instead (int >= 0; ``--moe-expert-cache-mb``,
+            upstream's ``--moe-cache-mib``): each device holds the most slots per layer that this many
+            MiB hold with their staging; ``"auto"`` is ``moe_expert_cache="auto"``. A budget over a
+            device's free memory minus the floor, or under one slot per layer, is a ValueError naming
+            the range that fits; with ``moe_expert_cache`` as well, a ValueError. 0 = off.
         moe_expert_cache_inserts: uploads per layer per decode step (0 = unlimited).
         moe_expert_cache_upload_mb: the upload budget, MiB of expert uploads per decode step over
             all layers (``--moe-expert-cache-upload-mb``; 0 = unlimited, the default); under one
@@ -892,7 +902,7 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str | os.PathLike, *, moe_expert_cache: int | str = 0,
-                 moe_expert_cache_inserts: int = 0, moe_expert_cache_sync: bool = False,
+                 moe_expert_cache_mb: int | str = 0, moe_expert_cache_inserts: int = 0, moe_expert_cache_sync: bool = False,
                  moe_expert_cache_warmup: int = 0, moe_expert_cache_upload_mb: int = 0,
                  moe_expert_cache_floor_mb: int = LLAMA_MOE_CACHE_FLOOR_MIB_DEFAULT, moe_expert_cache_ceil_mb: int = 0,
                  moe_expert_cache_admit: str = "always", cpu_moe: bool = False, n_cpu_moe: int = 0,
@@ -912,12 +922,19 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"moe_expert_cache_sync must be True or False, got {moe_expert_cache_sync!r}")
         if dense_weights not in DENSE_POLICIES:
             raise ValueError(f"dense_weights={dense_weights!r} is invalid; accepted: {', '.join(DENSE_POLICIES)}")
-        asked = {"moe_expert_cache": moe_expert_cache, "moe_stream_cache_mb": moe_stream_cache_mb,
+        cache_mb = _check_count("moe_expert_cache_mb", moe_expert_cache_mb, auto=LLAMA_MOE_CACHE_AUTO)
+        if cache_mb != 0 and moe_expert_cache != 0:
+            raise ValueError(f"moe_expert_cache={moe_expert_cache!r} and moe_expert_cache_mb={moe_expert_cache_mb!r} "
+                             "are mutually exclusive: give one (slots per layer, or MiB per device)")
+        if cache_mb == LLAMA_MOE_CACHE_AUTO:  # MiB auto is slots auto
+            moe_expert_cache, cache_mb = "auto", 0
+        asked = {"moe_expert_cache": moe_expert_cache, "moe_expert_cache_mb": moe_expert_cache_mb,
+                 "moe_stream_cache_mb": moe_stream_cache_mb,
                  "moe_expert_cache_admit": moe_expert_cache_admit, "dense_weights": dense_weights,
                  "moe_trace": moe_trace, "moe_route_replay": moe_route_replay}
         plan = _LoadPlan(
             os.fspath(model_path), asked,
-            slots=_check_count("moe_expert_cache", moe_expert_cache, auto=LLAMA_MOE_CACHE_AUTO),
+            slots=_check_count("moe_expert_cache", moe_expert_cache, auto=LLAMA_MOE_CACHE_AUTO), cache_mb=cache_mb,
             inserts=_check_count("moe_expert_cache_inserts", moe_expert_cache_inserts),
             warmup=_check_count("moe_expert_cache_warmup", moe_expert_cache_warmup),
             upload_mb=_check_count("moe_expert_cache_upload_mb", moe_expert_cache_upload_mb),
