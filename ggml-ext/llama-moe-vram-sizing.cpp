@@ -34,14 +34,14 @@ void llama_moe_vram_layer_mib(const llama_model & model, const std::vector<int> 
     }
 }
 
-
-// slots per device: fixed, or (auto) the most that fit the device's free memory minus the floor, capped by
-// the ceiling; chosen once, here, and never resized during generation. A device auto leaves at 0 slots is
-// dropped from by_buft. false: a fixed size does not fit a device (its line is logged)
+// slots per device: fixed, the most that budget_mib holds (MiB per device), or (auto) the most that fit the
+// device's free memory minus the floor, capped by the ceiling; chosen once, here, and never resized during
+// generation. A device auto leaves at 0 slots is dropped from by_buft. false: a fixed size or a MiB budget
+// does not fit a device (its line is logged)
 bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_cache & mc, llama_moe_vram_by_buft & by_buft,
-                                        std::map<ggml_backend_buffer_type_t, int32_t> & slots_of, int32_t n_slots,
-                                        int32_t n_expert, bool is_auto, bool estimate, int32_t floor_mib, int32_t ceil_mib,
-                                        int32_t budget_mib, const std::function<int32_t(int32_t)> & stage_for) {
+                                 std::map<ggml_backend_buffer_type_t, int32_t> & slots_of, int32_t n_slots,
+                                 int32_t n_expert, bool is_auto, bool estimate, int32_t floor_mib, int32_t ceil_mib,
+                                 int32_t budget_mib, const std::function<int32_t(int32_t)> & stage_for) {
     // (a --fit probe sizes fixed slots only: auto takes what is left after fitting, so it reserves nothing there)
     for (auto it = by_buft.begin(); it != by_buft.end(); ) {
         const auto & [buft, ils] = *it;

@@ -64,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         why = "; no trace given: the most slots that fit, hit rate not predicted (--trace FILE predicts it)"
     print(f"recommended: --moe-expert-cache {rec.slots_per_layer}"
           + (f" --moe-expert-cache-inserts {a.inserts}" if a.inserts else "")
-          + f"  ({rec.device_mib:.3g} MiB on the device{why})")
+          + f"  ({rec.device_mib:.3g} MiB on the device{why}); in MiB per device: --moe-expert-cache-mb "
+          + f"{sizing.budget_mib(rec.slots_per_layer, shape, a.inserts)}")
     for w in rec.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if a.stream_mb:

@@ -68,6 +68,16 @@ def device_bytes(slots: int, shape: ModelShape, inserts: int = 0, max_batch: int
     return int(shape.n_layer * ((slots + stage + 1) * shape.expert_bytes + 4 * shape.n_expert))
 
 
+def budget_mib(slots: int, shape: ModelShape, inserts: int = 0, max_batch: int = 1) -> int:
+    """The ``--moe-expert-cache-mb`` (MiB per device, whole) that holds ``slots`` per layer on a device
+    with every cached layer: their slots, staging and zero slot, rounded up (the engine then takes the
+    most slots that fit it, so at least ``slots``; the I32 tables are not part of it). 0 for 0 slots."""
+    if slots <= 0:
+        return 0
+    stage = sim.staging_slots(slots, shape.n_expert, shape.top_k, inserts, max_batch)
+    return math.ceil(shape.n_layer * (slots + stage + 1) * shape.expert_bytes / MIB)
+
+
 def max_slots(shape: ModelShape, free_mib: float | None, inserts: int = 0) -> int:
     """Rule 2: the most slots per layer that fit in ``free_mib`` MiB (``n_expert`` when None)."""
     if free_mib is None:

@@ -535,6 +535,11 @@ def test_expert_bytes_from_gguf(tmp_path):
     # 8 slots: 8 staging + 1 zero slot, plus the I32 table
     assert sizing.device_bytes(8, shape) == 24 * ((8 + 8 + 1) * 192 + 4 * 32)
     assert sizing.device_bytes(0, shape) == 0
+    # --moe-expert-cache-mb for 8 slots: the slots, staging and zero slot, rounded up to whole MiB
+    # (24 x 17 x 192 B = 78,336 B: 1 MiB); a model of 1 MiB experts needs exactly n_layer x 17 MiB
+    assert sizing.budget_mib(8, shape) == 1 and sizing.budget_mib(0, shape) == 0
+    big = sizing.ModelShape(24, 32, 8, float(2**20))
+    assert sizing.budget_mib(8, big) == 24 * 17 and sizing.budget_mib(30, big) == 24 * (30 + 2 + 1)
 
 
 def test_expert_bytes_of_the_embedded_model(model_q8):
