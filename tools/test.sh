@@ -20,7 +20,7 @@ fi
 grep -E "^-- pybmoe|pybmoe vendor|ccache found|Successfully installed" build/pip-install.log || true
 echo "pybmoe: pip install took $(( $(date +%s) - t0 )) s"
 python -c "import pybmoe.engine as e; [e.find_binary(n) for n in e.BINARIES]; import llama_cpp; print('pybmoe installed; llama_cpp', llama_cpp.__version__)"
-# one line per test file with its seconds (tests/conftest.py); the whole suite takes about 18 minutes on
+# one line per test file with its seconds (tests/conftest.py); the whole suite takes about 27 minutes on
 # 2 cores, `tools/test.sh -m "not slow"` about 3 (docs/build.md)
 echo "pybmoe: running the tests${*:+ ($*)}"
 exec python -m pytest -ra --durations=10 "$@" tests
