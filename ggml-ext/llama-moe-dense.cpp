@@ -39,7 +39,7 @@ llama_moe_dense::~llama_moe_dense() {
 // medians): mmap decoded 6-21 % faster than anon at A 3x, A 5x, B 3x (twice) and C 3x, at equal hits and
 // bytes read, with less io wait; anon was faster at C 5x (granite), B 5x split. One INFO line gives the
 // pick and the figures.
-static int32_t llama_moe_dense_pick(const llama_moe_cache * mc) {
+static int32_t llama_moe_dense_pick(const llama_moe_tiers * mc) {
     const double mib = 1024.0 * 1024.0;
     if (mc == nullptr || !mc->stream.on()) {
         LLAMA_LOG_INFO("llama_moe_dense_pick: dense weights: auto -> mmap (the stream tier is off)\n");
@@ -89,7 +89,7 @@ int32_t llama_model_moe_dense_weights(llama_model * model, int32_t mode) {
     if (mode == LLAMA_MOE_DENSE_MMAP) {
         return 0;
     }
-    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (mode == LLAMA_MOE_DENSE_AUTO) {
         mode = llama_moe_dense_pick(mc);
         if (mode == LLAMA_MOE_DENSE_MMAP) {

@@ -16,7 +16,7 @@
 // layer builds the stock graph
 constexpr uint32_t LLAMA_MOE_MAX_CLONE = 48;
 
-uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc) {
+uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_tiers * mc) {
     if (mc == nullptr) {
         return 0;
     }
@@ -24,7 +24,7 @@ uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc) {
             mc->stream.n_graph_nodes() + mc->trace.n_graph_nodes() + mc->replay.n_graph_nodes();
 }
 
-ggml_tensor * llama_moe_route_replay_ids(const llama_moe_cache * mc, ggml_context * ctx, ggml_tensor * selected,
+ggml_tensor * llama_moe_route_replay_ids(const llama_moe_tiers * mc, ggml_context * ctx, ggml_tensor * selected,
                                          int il, int64_t n_ubatch) {
     if (mc == nullptr || !mc->replay.on()) {
         return selected;
@@ -32,7 +32,7 @@ ggml_tensor * llama_moe_route_replay_ids(const llama_moe_cache * mc, ggml_contex
     return mc->replay.graph_ids(mc->log, ctx, selected, il, n_ubatch);
 }
 
-ggml_tensor * llama_moe_stream_ids(const llama_moe_cache * mc, ggml_context * ctx, ggml_tensor * selected, int il) {
+ggml_tensor * llama_moe_stream_ids(const llama_moe_tiers * mc, ggml_context * ctx, ggml_tensor * selected, int il) {
     if (mc == nullptr || !mc->stream.on()) {
         return selected;
     }
@@ -40,7 +40,7 @@ ggml_tensor * llama_moe_stream_ids(const llama_moe_cache * mc, ggml_context * ct
     return const_cast<llama_moe_stream &>(mc->stream).graph_ids(ctx, selected, il);
 }
 
-const llama_moe_vram_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d) {
+const llama_moe_vram_layer * llama_moe_cache_graph_layer(const llama_moe_tiers * mc, const llama_moe_cache_ffn_desc & d) {
     if (mc == nullptr) {
         return nullptr;
     }

@@ -41,7 +41,7 @@ struct llama_model;
 struct llama_model_loader;
 struct llama_ubatch;
 
-struct llama_moe_cache;       // the model's owner of everything pybmoe adds (llama-moe-model.h)
+struct llama_moe_tiers;       // the model's owner of everything pybmoe adds (llama-moe-model.h)
 struct llama_moe_vram_layer;  // one layer of the VRAM tier (llama-moe-vram.h)
 using llama_moe_cache_layer = llama_moe_vram_layer; // its name before: patch 0003 (llama-graph.cpp) still says it
 
@@ -53,7 +53,7 @@ using llama_moe_cache_layer = llama_moe_vram_layer; // its name before: patch 00
 void llama_moe_cache_record_sources(llama_model & model, const llama_model_loader & ml,
                                     const std::vector<std::string> & paths);
 
-void llama_moe_cache_free(llama_moe_cache * mc);
+void llama_moe_cache_free(llama_moe_tiers * mc);
 
 // the byte ranges of split file `idx` that the map must not read at load: upstream's lazy ranges `lazy`,
 // plus the host-resident expert tensors of that file when llama_moe_stream_hint_lazy_load named this load
@@ -74,10 +74,10 @@ void llama_moe_cache_on_context_free(const llama_model & model, const void * ctx
 
 // the owner to use for graphs of this model (the cache, the trace and/or route replay), or nullptr
 // when all are off
-const llama_moe_cache * llama_moe_cache_active(const llama_model & model);
+const llama_moe_tiers * llama_moe_cache_active(const llama_model & model);
 
 // extra graph nodes the cache, the trace and route replay add (for graph_max_nodes)
-uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_cache * mc);
+uint32_t llama_moe_cache_n_graph_nodes(const llama_moe_tiers * mc);
 
 // what build_moe_ffn is about to build for one layer
 struct llama_moe_cache_ffn_desc {
@@ -95,16 +95,16 @@ struct llama_moe_cache_ffn_desc {
 
 // --moe-route-replay: the ids this layer uses instead of `selected` (I32 [n_expert_used, n_rows]);
 // `selected` itself when the layer is not replayed. n_ubatch: tokens in the graph's ubatch.
-ggml_tensor * llama_moe_route_replay_ids(const llama_moe_cache * mc, ggml_context * ctx, ggml_tensor * selected,
+ggml_tensor * llama_moe_route_replay_ids(const llama_moe_tiers * mc, ggml_context * ctx, ggml_tensor * selected,
                                          int il, int64_t n_ubatch);
 
 // --moe-stream-cache-mb: the ids this layer's MUL_MAT_IDs use: `selected` through the op that reads
 // the step's experts from the GGUF into RAM first, or `selected` itself when the layer is not streamed
-ggml_tensor * llama_moe_stream_ids(const llama_moe_cache * mc, ggml_context * ctx, ggml_tensor * selected, int il);
+ggml_tensor * llama_moe_stream_ids(const llama_moe_tiers * mc, ggml_context * ctx, ggml_tensor * selected, int il);
 
 // the cache layer that serves this FFN, or nullptr (the stock graph is built; the reason is logged once);
 // also adds the trace node when tracing
-const llama_moe_vram_layer * llama_moe_cache_graph_layer(const llama_moe_cache * mc, const llama_moe_cache_ffn_desc & d);
+const llama_moe_vram_layer * llama_moe_cache_graph_layer(const llama_moe_tiers * mc, const llama_moe_cache_ffn_desc & d);
 
 // Splits one MoE layer between host and device. `out_h` is the host chain's output before the
 // routing weights (the down MUL_MAT_ID, with a down scale if the layer has one): every node between

@@ -1,6 +1,6 @@
 #pragma once
 
-// pybmoe: what one tier lends another, as interfaces the owner (llama_moe_cache, llama-moe-model.h)
+// pybmoe: what one tier lends another, as interfaces the owner (llama_moe_tiers, llama-moe-model.h)
 // wires together. No tier includes another tier's header or calls another tier's methods: the stream
 // tier asks `llama_moe_device_residents` which experts a device computes; the VRAM tier's uploads ask
 // `llama_moe_ram_copies` for the bytes the stream tier holds in RAM.

@@ -29,7 +29,7 @@ void llama_moe_cache_record_sources(llama_model & model, const llama_model_loade
     if (paths.empty() || paths[0].empty()) {
         return; // loaded from a FILE * or from metadata: no source; init reports it
     }
-    auto * mc = model.moe_cache ? model.moe_cache : new llama_moe_cache();
+    auto * mc = model.moe_cache ? model.moe_cache : new llama_moe_tiers();
     model.moe_cache = mc;
     mc->sources.record(ml, paths);
     llama_moe_vram_fit_probe(model, paths[0]);
@@ -38,13 +38,13 @@ void llama_moe_cache_record_sources(llama_model & model, const llama_model_loade
     }
 }
 
-void llama_moe_cache_free(llama_moe_cache * mc) {
+void llama_moe_cache_free(llama_moe_tiers * mc) {
     llama_moe_sigbus_unregister(mc);
     delete mc;
 }
 
 void llama_moe_cache_on_context_init(const llama_model & model, const void * ctx, size_t kv, size_t compute, size_t output) {
-    llama_moe_cache * mc = model.moe_cache;
+    llama_moe_tiers * mc = model.moe_cache;
     if (mc == nullptr || !mc->stream.on()) {
         return;
     }
@@ -59,7 +59,7 @@ void llama_moe_cache_on_context_init(const llama_model & model, const void * ctx
 }
 
 void llama_moe_cache_on_context_free(const llama_model & model, const void * ctx) {
-    llama_moe_cache * mc = model.moe_cache;
+    llama_moe_tiers * mc = model.moe_cache;
     if (mc == nullptr) {
         return;
     }
@@ -122,8 +122,8 @@ std::vector<std::pair<size_t, size_t>> llama_moe_cache_lazy_ranges(const llama_m
 // graph building
 //
 
-const llama_moe_cache * llama_moe_cache_active(const llama_model & model) {
-    const llama_moe_cache * mc = model.moe_cache;
+const llama_moe_tiers * llama_moe_cache_active(const llama_model & model) {
+    const llama_moe_tiers * mc = model.moe_cache;
     return mc && mc->active() ? mc : nullptr;
 }
 
@@ -132,7 +132,7 @@ const llama_moe_cache * llama_moe_cache_active(const llama_model & model) {
 //
 
 void llama_moe_cache_before_ubatch(const llama_model & model) {
-    llama_moe_cache * mc = model.moe_cache;
+    llama_moe_tiers * mc = model.moe_cache;
     if (mc == nullptr) {
         return;
     }
@@ -142,10 +142,10 @@ void llama_moe_cache_before_ubatch(const llama_model & model) {
     mc->n_busy++;
 }
 
-static void llama_moe_cache_step(llama_moe_cache * mc, ggml_backend_sched_t sched, const llama_ubatch * ubatch);
+static void llama_moe_cache_step(llama_moe_tiers * mc, ggml_backend_sched_t sched, const llama_ubatch * ubatch);
 
 void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch * ubatch) {
-    llama_moe_cache * mc = model.moe_cache;
+    llama_moe_tiers * mc = model.moe_cache;
     if (mc == nullptr) {
         return;
     }
@@ -162,7 +162,7 @@ void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_
     mc->graph_mutex.unlock();
 }
 
-static void llama_moe_cache_step(llama_moe_cache * mc, ggml_backend_sched_t sched, const llama_ubatch * ubatch) {
+static void llama_moe_cache_step(llama_moe_tiers * mc, ggml_backend_sched_t sched, const llama_ubatch * ubatch) {
     std::lock_guard<std::mutex> lock(mc->mutex);
     // note: no scheduler synchronize here. What this step reads (the observed routing, the trace's
     // rows, the stream tier's hits) was written by CPU nodes, which have all run once the graph
@@ -209,7 +209,7 @@ static void llama_moe_cache_step(llama_moe_cache * mc, ggml_backend_sched_t sche
 //
 
 int32_t llama_model_moe_cache_set_max_batch(llama_model * model, int32_t n_tokens) {
-    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (mc == nullptr || mc->vram.enabled() || mc->trace.on() || n_tokens < 1 || n_tokens > LLAMA_MOE_CACHE_MAX_BATCH_LIMIT) {
         LLAMA_LOG_ERROR("%s: moe-cache: max batch %d refused: it must be 1 .. %d, set on a GGUF-loaded model before the "
                 "cache or the trace is opened\n", __func__, n_tokens, LLAMA_MOE_CACHE_MAX_BATCH_LIMIT);

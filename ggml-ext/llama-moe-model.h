@@ -27,7 +27,7 @@
 
 // the owner: the log and the busy count come from llama_moe_base, which the tiers share without
 // reaching back into this file
-struct llama_moe_cache : llama_moe_base {
+struct llama_moe_tiers : llama_moe_base {
     llama_moe_sources sources; // recorded at load
 
     // device memory set aside ahead of the cache (the contexts' projected KV + compute), for auto
@@ -56,10 +56,10 @@ struct llama_moe_cache : llama_moe_base {
 
     // the tiers meet here only (llama-moe-links.h): the stream tier sees the VRAM tier's residents, the
     // VRAM tier's uploads read the stream tier's RAM copies
-    llama_moe_cache() {
+    llama_moe_tiers() {
         stream.devices = &vram;
         vram.ram       = &stream;
     }
-    llama_moe_cache(const llama_moe_cache &) = delete;
-    llama_moe_cache & operator=(const llama_moe_cache &) = delete;
+    llama_moe_tiers(const llama_moe_tiers &) = delete;
+    llama_moe_tiers & operator=(const llama_moe_tiers &) = delete;
 };

@@ -278,7 +278,7 @@ ggml_tensor * llama_moe_replay::graph_ids(const llama_moe_log & log, ggml_contex
 }
 
 int32_t llama_model_moe_route_replay_open(llama_model * model, const char * path, int32_t n_ubatch) {
-    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (path == nullptr || path[0] == '\0') {
         return 0;
     }

@@ -139,7 +139,7 @@ size_t llama_moe_sigbus_format(char * buf, size_t n, const char * path, uint64_t
 
 void llama_moe_sigbus_register(const llama_model & model) {
 #if !defined(_WIN32)
-    const llama_moe_cache * mc = model.moe_cache;
+    const llama_moe_tiers * mc = model.moe_cache;
     if (mc == nullptr || mc->sources.empty()) {
         return;
     }

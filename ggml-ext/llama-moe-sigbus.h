@@ -21,7 +21,7 @@ struct llama_model;
 // Called once per model at the end of its load.
 void llama_moe_sigbus_register(const llama_model & model);
 
-// forgets the ranges registered for the model whose owner (llama_moe_cache) is `owner`, before its
+// forgets the ranges registered for the model whose owner (llama_moe_tiers) is `owner`, before its
 // mappings go
 void llama_moe_sigbus_unregister(const void * owner);
 

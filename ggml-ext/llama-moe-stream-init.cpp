@@ -58,7 +58,7 @@ static_assert(LLAMA_MOE_STREAM_SIZING_FLOOR_MIN_MIB == LLAMA_MOE_STREAM_FLOOR_MI
 static_assert(LLAMA_MOE_STREAM_SIZING_FLOOR_MAX_MIB == LLAMA_MOE_STREAM_FLOOR_MIB_DEFAULT, "llama-moe.h and the sizing agree");
 
 // the host-resident MoE layers whose expert bytes are the GGUF's: `ils`; one WARN per reason for the others
-static void llama_moe_stream_pick_layers(const llama_model * model, const llama_moe_cache * mc, int32_t n_expert,
+static void llama_moe_stream_pick_layers(const llama_model * model, const llama_moe_tiers * mc, int32_t n_expert,
                                          std::vector<int> & ils, int & n_moe) {
     std::map<std::string, std::vector<int>> not_streamed; // reason -> layers
     n_moe = 0;
@@ -215,7 +215,7 @@ static bool llama_moe_stream_log_sizing(const llama_moe_stream_sizing_input & in
 
 // reservations: each expert tensor is rebound to anonymous memory of its size, committed as experts are
 // read, so that experts sit at their offsets e * nb[2] and nothing else changes. false: the tier is OFF
-static bool llama_moe_stream_reserve(llama_moe_stream & st, const llama_model * model, const llama_moe_cache * mc,
+static bool llama_moe_stream_reserve(llama_moe_stream & st, const llama_model * model, const llama_moe_tiers * mc,
                                      const std::vector<int> & ils) {
     const double mib = 1024.0 * 1024.0;
     st.layer_of_il.assign(model->layers.size(), -1);
@@ -339,7 +339,7 @@ static void llama_moe_stream_overlap_init(llama_moe_stream & st, const llama_moe
 }
 
 // the tier's start line and its preamble (one line, key=value: pybmoe.engine parses it)
-static void llama_moe_stream_log_start(const llama_moe_stream & st, const llama_moe_cache * mc, int n_moe, int32_t n_expert,
+static void llama_moe_stream_log_start(const llama_moe_stream & st, const llama_moe_tiers * mc, int n_moe, int32_t n_expert,
                                        const llama_moe_stream_shape & shape, const llama_moe_stream_switches & sw) {
     const double mib = 1024.0 * 1024.0;
     const size_t entry = shape.entry;
@@ -385,7 +385,7 @@ static int32_t llama_moe_stream_check(const llama_model * model, int32_t budget_
         LLAMA_LOG_WARN("llama_moe_stream_init: moe-stream: model has no MoE layers; --moe-stream-cache-mb is inert\n");
         return 0;
     }
-    const llama_moe_cache * mc = model->moe_cache;
+    const llama_moe_tiers * mc = model->moe_cache;
     if (mc == nullptr || mc->sources.empty()) {
         LLAMA_LOG_ERROR("llama_moe_stream_init: moe-stream: the model was not loaded from a GGUF file path, so expert bytes have no "
                 "source; the stream tier is OFF\n");
@@ -418,7 +418,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     for (const auto & w : warns) {
         LLAMA_LOG_WARN("%s: moe-stream: WARNING %s\n", __func__, w.c_str());
     }
-    llama_moe_cache * mc = model->moe_cache;
+    llama_moe_tiers * mc = model->moe_cache;
     auto & st = mc->stream;
     const int32_t n_expert = (int32_t) model->hparams.n_expert;
     const int32_t n_used   = (int32_t) model->hparams.n_expert_used();
@@ -538,7 +538,7 @@ int32_t llama_model_moe_stream_init(llama_model * model, int32_t budget_mib, int
 
 int32_t llama_model_moe_stream_fit(llama_model * model, uint32_t * n_ctx, uint32_t * n_seq, bool unified, bool user_sized,
                                    uint32_t n_ctx_min, llama_moe_fit_measure_cb measure, void * user_data) {
-    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (mc == nullptr || !mc->stream.on() || n_ctx == nullptr || n_seq == nullptr || measure == nullptr) {
         return LLAMA_MOE_FIT_NONE;
     }

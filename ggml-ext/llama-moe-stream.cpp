@@ -509,7 +509,7 @@ void llama_moe_stream::print_summary() const {
 //
 
 bool llama_model_moe_stream_get_stats(const llama_model * model, llama_moe_stream_stats * out) {
-    const llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    const llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (mc == nullptr || !mc->stream.on() || out == nullptr) {
         return false;
     }
@@ -518,7 +518,7 @@ bool llama_model_moe_stream_get_stats(const llama_model * model, llama_moe_strea
 }
 
 bool llama_model_moe_stream_get_layer_stats(const llama_model * model, int32_t il, uint64_t * hits, uint64_t * misses) {
-    const llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    const llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (mc == nullptr || !mc->stream.on() || mc->stream.index_of(il) < 0) {
         return false;
     }
@@ -530,7 +530,7 @@ bool llama_model_moe_stream_get_layer_stats(const llama_model * model, int32_t i
 }
 
 int32_t llama_model_moe_stream_set_budget_mib(llama_model * model, int32_t budget_mib) {
-    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (mc == nullptr || !mc->stream.on()) {
         LLAMA_LOG_ERROR("%s: moe-stream: the stream tier is off; nothing to resize\n", __func__);
         return -1;

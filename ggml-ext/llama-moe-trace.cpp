@@ -162,7 +162,7 @@ void llama_moe_trace::close() {
 }
 
 int32_t llama_model_moe_trace_open(llama_model * model, const char * path, int32_t n_ubatch) {
-    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (path == nullptr || path[0] == '\0') {
         return 0;
     }

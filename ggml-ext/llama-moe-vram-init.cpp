@@ -150,7 +150,7 @@ static std::map<ggml_backend_buffer_type_t, std::vector<int>> llama_moe_vram_sel
 }
 
 // the backends' limits on the ubatch the cache serves
-static void llama_moe_vram_cap_batch(llama_moe_cache & mc, const std::map<ggml_backend_buffer_type_t, std::vector<int>> & by_buft) {
+static void llama_moe_vram_cap_batch(llama_moe_tiers & mc, const std::map<ggml_backend_buffer_type_t, std::vector<int>> & by_buft) {
     // Vulkan: duplicate expert ids are exact at any batch with patch 0013, but on lavapipe with
     // GGML_VK_DISABLE_FUSION the first decode after a cached ubatch of 32 tokens crashes in the driver
     // (docs/backends.md; cause not found, ubatches of up to 31 tokens run), so the cache serves at most
@@ -220,7 +220,7 @@ using llama_moe_held_buffers = std::vector<std::pair<ggml_context_ptr, ggml_back
 
 // the device companions of the layers `ils` in buft, one context + buffer (into `held`); the layers
 // are appended to vram.layers. Returns false (logged) when the buffer cannot be allocated.
-static bool llama_moe_vram_alloc(llama_model & model, llama_moe_cache & mc, ggml_backend_buffer_type_t buft,
+static bool llama_moe_vram_alloc(llama_model & model, llama_moe_tiers & mc, ggml_backend_buffer_type_t buft,
                                  const std::vector<int> & ils, int32_t dev_slots, int32_t n_stage, std::string & budgets,
                                  llama_moe_held_buffers & held) {
     auto & vram = mc.vram;
@@ -310,7 +310,7 @@ static bool llama_moe_vram_alloc(llama_model & model, llama_moe_cache & mc, ggml
 }
 
 // host companions: the table the CPU MUL_MAT_ID reads (src[3]) and the observed routing
-static void llama_moe_vram_alloc_host(llama_moe_cache & mc) {
+static void llama_moe_vram_alloc_host(llama_moe_tiers & mc) {
     auto & vram = mc.vram;
     ggml_init_params params = {
         /*.mem_size   =*/ vram.layers.size() * 2 * ggml_tensor_overhead(),
@@ -335,7 +335,7 @@ static void llama_moe_vram_alloc_host(llama_moe_cache & mc) {
 
 // the tier's start line, its metrics preamble (one line, key=value, parsed by pybmoe.engine.parse_cache_preamble)
 // and the cliff guard's WARN
-static void llama_moe_vram_log_start(const llama_moe_vram & vram, const llama_moe_cache & owner, int n_moe, int32_t n_expert,
+static void llama_moe_vram_log_start(const llama_moe_vram & vram, const llama_moe_tiers & owner, int n_moe, int32_t n_expert,
                                      int32_t n_used, int32_t n_slots, int32_t n_slots_min, int32_t n_inserts,
                                      const std::string & budgets) {
     const char * fn = "llama_moe_vram_init";
@@ -386,7 +386,7 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     // a memory-estimation load (the --fit probe): size the slots and give their tensors a dummy
     // buffer, so that the model's memory breakdown counts them on the right device; nothing runs
     const bool estimate = hp.no_alloc;
-    llama_moe_cache * mc = model->moe_cache;
+    llama_moe_tiers * mc = model->moe_cache;
     if (mc == nullptr || mc->sources.empty()) {
         LLAMA_LOG_ERROR("%s: moe-cache: the cache was requested but the model was not loaded from a GGUF file path, "
                 "so expert bytes have no source; the cache is OFF\n", __func__);

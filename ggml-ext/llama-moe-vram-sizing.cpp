@@ -38,7 +38,7 @@ void llama_moe_vram_layer_mib(const llama_model & model, const std::vector<int> 
 // device's free memory minus the floor, capped by the ceiling; chosen once, here, and never resized during
 // generation. A device auto leaves at 0 slots is dropped from by_buft. false: a fixed size or a MiB budget
 // does not fit a device (its line is logged)
-bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_cache & mc, llama_moe_vram_by_buft & by_buft,
+bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_tiers & mc, llama_moe_vram_by_buft & by_buft,
                                  std::map<ggml_backend_buffer_type_t, int32_t> & slots_of, int32_t n_slots,
                                  int32_t n_expert, bool is_auto, bool estimate, int32_t floor_mib, int32_t ceil_mib,
                                  int32_t budget_mib, const std::function<int32_t(int32_t)> & stage_for) {

@@ -332,13 +332,13 @@ void llama_moe_vram::print_summary() const {
 // C API
 //
 
-static const llama_moe_cache * llama_moe_vram_of(const llama_model * model) {
-    const llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+static const llama_moe_tiers * llama_moe_vram_of(const llama_model * model) {
+    const llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     return mc && mc->vram.enabled() ? mc : nullptr;
 }
 
 bool llama_model_moe_cache_get_stats(const llama_model * model, llama_moe_cache_stats * out) {
-    const llama_moe_cache * mc = llama_moe_vram_of(model);
+    const llama_moe_tiers * mc = llama_moe_vram_of(model);
     if (mc == nullptr || out == nullptr) {
         return false;
     }
@@ -348,7 +348,7 @@ bool llama_model_moe_cache_get_stats(const llama_model * model, llama_moe_cache_
 }
 
 bool llama_model_moe_cache_get_layer_stats(const llama_model * model, int32_t il, uint64_t * hits, uint64_t * misses) {
-    const llama_moe_cache * mc = llama_moe_vram_of(model);
+    const llama_moe_tiers * mc = llama_moe_vram_of(model);
     const llama_moe_vram_layer * l = mc ? mc->vram.layer(il) : nullptr;
     if (l == nullptr) {
         return false;
@@ -361,12 +361,12 @@ bool llama_model_moe_cache_get_layer_stats(const llama_model * model, int32_t il
 }
 
 int32_t llama_model_moe_cache_n_devices(const llama_model * model) {
-    const llama_moe_cache * mc = llama_moe_vram_of(model);
+    const llama_moe_tiers * mc = llama_moe_vram_of(model);
     return mc ? (int32_t) mc->vram.devices.size() : 0;
 }
 
 bool llama_model_moe_cache_get_device_stats(const llama_model * model, int32_t i, llama_moe_cache_device_stats * out) {
-    const llama_moe_cache * mc = llama_moe_vram_of(model);
+    const llama_moe_tiers * mc = llama_moe_vram_of(model);
     if (mc == nullptr || out == nullptr || i < 0 || i >= (int32_t) mc->vram.devices.size()) {
         return false;
     }
@@ -379,7 +379,7 @@ bool llama_model_moe_cache_get_device_stats(const llama_model * model, int32_t i
 }
 
 int32_t llama_model_moe_cache_set_slots(llama_model * model, int32_t n_slots) {
-    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (mc == nullptr || !mc->vram.enabled()) {
         LLAMA_LOG_ERROR("%s: moe-cache: the cache is off; nothing to resize\n", __func__);
         return -1;
@@ -406,7 +406,7 @@ int32_t llama_model_moe_cache_set_slots(llama_model * model, int32_t n_slots) {
 }
 
 int32_t llama_model_moe_cache_set_warmup(llama_model * model, int32_t n_per_layer) {
-    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (mc == nullptr || !mc->vram.enabled() || n_per_layer < 0) {
         LLAMA_LOG_ERROR("%s: moe-cache: warm-up %d refused: the cache is off, or the value is negative\n", __func__, n_per_layer);
         return -1;
@@ -427,7 +427,7 @@ int32_t llama_model_moe_cache_set_warmup(llama_model * model, int32_t n_per_laye
 }
 
 int32_t llama_model_moe_cache_set_upload_budget_mib(llama_model * model, int32_t budget_mib) {
-    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (mc == nullptr || !mc->vram.enabled()) {
         LLAMA_LOG_ERROR("%s: moe-cache: the cache is off\n", __func__);
         return -1;
@@ -453,7 +453,7 @@ int32_t llama_model_moe_cache_set_upload_budget_mib(llama_model * model, int32_t
 }
 
 int32_t llama_model_moe_cache_set_admit_window(llama_model * model, int32_t window) {
-    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (mc == nullptr || !mc->vram.enabled() || window < 0 || window > LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX) {
         LLAMA_LOG_ERROR("%s: moe-cache: admission window %d refused: it must be 0 (always) .. %d steps, on a cache "
                 "that is on\n", __func__, window, LLAMA_MOE_CACHE_ADMIT_WINDOW_MAX);
@@ -475,7 +475,7 @@ int32_t llama_model_moe_cache_set_admit_window(llama_model * model, int32_t wind
 }
 
 int32_t llama_model_moe_cache_set_sync(llama_model * model, bool sync) {
-    llama_moe_cache * mc = model ? model->moe_cache : nullptr;
+    llama_moe_tiers * mc = model ? model->moe_cache : nullptr;
     if (mc == nullptr || !mc->vram.enabled()) {
         LLAMA_LOG_ERROR("%s: moe-cache: the cache is off\n", __func__);
         return -1;

@@ -194,10 +194,10 @@ struct llama_model;
 // capped by ceil_mib) or budget_mib > 0 (MiB per device); stage_for(slots) gives the staging slots. A
 // device auto leaves at 0 slots is dropped from by_buft; false (logged): a fixed count or a MiB budget
 // does not fit a device.
-struct llama_moe_cache;
+struct llama_moe_tiers;
 using llama_moe_vram_by_buft = std::map<ggml_backend_buffer_type_t, std::vector<int>>;
 void llama_moe_vram_layer_mib(const llama_model & model, const std::vector<int> & ils, double & per_slot, double & fixed);
-bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_cache & mc, llama_moe_vram_by_buft & by_buft,
+bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_tiers & mc, llama_moe_vram_by_buft & by_buft,
                                  std::map<ggml_backend_buffer_type_t, int32_t> & slots_of, int32_t n_slots,
                                  int32_t n_expert, bool is_auto, bool estimate, int32_t floor_mib, int32_t ceil_mib,
                                  int32_t budget_mib, const std::function<int32_t(int32_t)> & stage_for);

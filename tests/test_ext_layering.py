@@ -3,7 +3,7 @@ and no file or function grows past what a reader can hold.
 
 - **Tiers:** the stream tier (``llama-moe-stream*``) and the VRAM tier (``llama-moe-vram*``) never include
   each other's headers nor name each other's types or members. What one lends the other goes through
-  the interfaces of ``llama-moe-links.h``, which the owner (``llama_moe_cache``, ``llama-moe-model.h``)
+  the interfaces of ``llama-moe-links.h``, which the owner (``llama_moe_tiers``, ``llama-moe-model.h``)
   wires together (docs/architecture.md, "The call graph").
 - **Sizes:** no ``ggml-ext/`` source over 650 lines; no function over 150 lines, counted with Universal
   Ctags' ``line``/``end`` fields (skipped without Universal Ctags, unless ``PYBMOE_REQUIRE_CTAGS=1``,
