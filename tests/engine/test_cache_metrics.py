@@ -77,7 +77,7 @@ def test_server_metrics_and_props(model_q8, rpc):
     slots = [v for k, v in series.items() if k.startswith("llamacpp:moe_cache_slots{device=\"RPC")]
     assert slots == [8 * spec.n_layer]
     assert "# TYPE llamacpp:moe_cache_hits_total counter" in text
-    assert props["moe_expert_cache"] == {"slots": 8, "inserts": 2, "trace": ""}
+    assert props["moe_expert_cache"] == {"slots": 8, "mib": 0, "inserts": 2, "trace": ""}
     # the summary at shutdown agrees with the counters
     s = engine.parse_cache_summaries(log)[-1]
     assert s.hit_pct == pytest.approx(100 * hits / (hits + misses), abs=0.05)

@@ -135,3 +135,30 @@ def test_the_bindings_take_mib_too(model_q8, rpc, tmp_path):
         bindings.Llama(model_q8, moe_expert_cache=4, moe_expert_cache_mb=mib, **kw)
     with pytest.raises(ValueError, match=r"moe_expert_cache_mb=1 does not fit .* \(or is under one slot per layer\)"):
         bindings.Llama(model_q8, moe_expert_cache_mb=1, **kw)
+
+
+def test_llama_server_takes_upstreams_spelling(model_q8, rpc, tmp_path):
+    """`llama-server --moe-cache-mib N` holds the slots --moe-expert-cache-mb N resolves to (the same
+    line, the same slots on /metrics) and /props gives the MiB as asked."""
+    import json
+    import urllib.request
+
+    from pybmoe.engine import demo
+    spec = models.read_spec(model_q8)
+    mib, _ = _budget_for_3_slots(model_q8, rpc, tmp_path)
+    r, log, _ = _logits(model_q8, rpc, tmp_path, ["--moe-expert-cache-mb", str(mib)])
+    assert r.returncode == 0, log[-2000:]
+    s = int(MIB_LINE.search(log).group(3))
+    srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 0, 0, ["--moe-cache-mib", str(mib), "--metrics"]))
+    with srv:
+        srv.completion("Hello there", n_predict=4)
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        with urllib.request.urlopen(srv.url + "/props", timeout=30) as resp:
+            props = json.loads(resp.read())
+    slog = srv.stop()
+    m = MIB_LINE.search(slog)
+    assert m and int(m.group(1)) == mib and int(m.group(3)) == s, slog[-2000:]
+    slots = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith('llamacpp:moe_cache_slots{device="RPC')]
+    assert slots == [s * spec.n_layer]
+    assert props["moe_expert_cache"]["mib"] == mib and props["moe_expert_cache"]["slots"] == 0
