@@ -27,6 +27,20 @@ static std::string llama_moe_apply_count(int32_t n, int32_t auto_value) {
     return n == auto_value ? "auto" : std::to_string(n);
 }
 
+// a tier asked for that did not engage (`what`: the flag and its value; `tier`, `tag`: its name and its log
+// lines' tag): an ERROR and `err` under strict (the bindings), else a WARN and OK (the tools run without it)
+static int32_t llama_moe_apply_off(const char * fn, const llama_moe_params & p, const std::string & what, const char * tier,
+                                   const char * tag, int32_t err) {
+    const std::string line = format("%s: %s was requested but the %s is OFF (see the %s lines above)\n", fn, what.c_str(),
+            tier, tag);
+    if (p.strict) {
+        LLAMA_LOG_ERROR("%s", line.c_str());
+        return err;
+    }
+    LLAMA_LOG_WARN("%s", line.c_str());
+    return LLAMA_MOE_APPLY_OK;
+}
+
 // the expert cache: max batch, slots, then its settings (each needs the cache on)
 static int32_t llama_moe_apply_cache(llama_model * model, const llama_moe_params & p, llama_moe_apply_report & rep) {
     if (p.cache_slots == 0 && p.cache_mib == 0) {
@@ -55,14 +69,7 @@ static int32_t llama_moe_apply_cache(llama_model * model, const llama_moe_params
         return LLAMA_MOE_APPLY_ERR_CACHE_NO_ROOM;
     }
     if (rep.cache < 0) {
-        if (p.strict) {
-            LLAMA_LOG_ERROR("%s: %s was requested but the expert cache is OFF (see the moe-cache lines above)\n", __func__,
-                    slots.c_str());
-            return LLAMA_MOE_APPLY_ERR_CACHE_OFF;
-        }
-        LLAMA_LOG_WARN("%s: %s was requested but the expert cache is OFF (see the moe-cache lines above)\n", __func__,
-                slots.c_str());
-        return LLAMA_MOE_APPLY_OK;
+        return llama_moe_apply_off(__func__, p, slots, "expert cache", "moe-cache", LLAMA_MOE_APPLY_ERR_CACHE_OFF);
     }
     if (rep.cache == 0) {
         return LLAMA_MOE_APPLY_OK;
@@ -100,14 +107,8 @@ static int32_t llama_moe_apply_stream(llama_model * model, const llama_moe_param
         return LLAMA_MOE_APPLY_ERR_STREAM_BUDGET;
     }
     if (rep.stream < 0) {
-        if (p.strict) {
-            LLAMA_LOG_ERROR("%s: --moe-stream-cache-mb %s was requested but the stream tier is OFF (see the moe-stream lines "
-                    "above)\n", __func__, budget.c_str());
-            return LLAMA_MOE_APPLY_ERR_STREAM_OFF;
-        }
-        LLAMA_LOG_WARN("%s: --moe-stream-cache-mb %s was requested but the stream tier is OFF (see the moe-stream lines "
-                "above)\n", __func__, budget.c_str());
-        return LLAMA_MOE_APPLY_OK;
+        return llama_moe_apply_off(__func__, p, "--moe-stream-cache-mb " + budget, "stream tier", "moe-stream",
+                                   LLAMA_MOE_APPLY_ERR_STREAM_OFF);
     }
     if (p.fit_measure == nullptr) {
         return LLAMA_MOE_APPLY_OK;

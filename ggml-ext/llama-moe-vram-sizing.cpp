@@ -53,20 +53,28 @@ bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_tier
         double per_slot = 0.0; // MiB of one slot in every layer on this device
         double fixed    = 0.0; // MiB of the bias copies of every layer on this device
         llama_moe_vram_layer_mib(model, ils, per_slot, fixed);
-        auto fits = [&](int32_t c, double budget) { return (c + stage_for(c) + 1) * per_slot + fixed <= budget; };
+        // MiB of c slots per layer with their staging and the zero slot; the most slots (up to `from`) that fit
+        auto need = [&](int32_t c) { return (c + stage_for(c) + 1) * per_slot + fixed; };
+        auto most = [&](int32_t from, double budget) -> int32_t {
+            for (int32_t c = from; c > 0; --c) {
+                if (need(c) <= budget) {
+                    return c;
+                }
+            }
+            return 0;
+        };
         ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
         size_t free = 0, total = 0;
         ggml_backend_dev_memory(dev, &free, &total);
+        const double free_mib    = free / 1024.0 / 1024.0;
         const double reserve_mib = mc.reserve.count(dev) ? mc.reserve.at(dev) / 1024.0 / 1024.0 : 0.0;
-        double budget = free / 1024.0 / 1024.0 - reserve_mib - floor_mib;
+        const std::string set_aside = reserve_mib > 0 ? format(" (%.0f MiB set aside for contexts)", reserve_mib) : "";
+        double budget = free_mib - reserve_mib - floor_mib;
         if (budget_mib > 0) {
             // MiB per device (--moe-expert-cache-mb, upstream's --moe-cache-mib): the most slots per layer that
             // budget_mib holds; a budget over what the device has free, or under one slot per layer, is a load error
-            s = 0;
-            for (int32_t c = n_expert; c > 0 && s == 0; --c) {
-                s = fits(c, budget_mib) ? c : 0;
-            }
-            const double need1 = (2 + stage_for(1)) * per_slot + fixed;
+            s = most(n_expert, budget_mib);
+            const double need1 = need(1);
             if (budget_mib > budget || s == 0) {
                 LLAMA_LOG_ERROR("%s: moe-cache: --moe-expert-cache-mb %d on %s: %s; give %s\n", __func__, budget_mib,
                         ggml_backend_buft_name(buft), s == 0
@@ -74,8 +82,7 @@ bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_tier
                                      "%.3f MiB%s)", need1, ils.size(), stage_for(1), per_slot / ils.size(),
                                      fixed > 0 ? " + the expert biases" : "").c_str()
                             : format("it has %.0f MiB free%s and --moe-expert-cache-floor-mb keeps %d MiB free",
-                                     free / 1024.0 / 1024.0, reserve_mib > 0 ? format(" (%.0f MiB set aside for contexts)",
-                                     reserve_mib).c_str() : "", floor_mib).c_str(),
+                                     free_mib, set_aside.c_str(), floor_mib).c_str(),
                         budget >= need1 ? format("%.0f .. %.0f MiB, or auto", std::ceil(need1), std::floor(budget)).c_str()
                                         : "auto, or more device memory");
                 return false;
@@ -86,39 +93,25 @@ bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_tier
             ++it;
             continue;
         }
-        if (!is_auto && !estimate && !fits(s, budget)) {
+        if (!is_auto && !estimate && need(s) > budget) {
             // a fixed size the device cannot hold is an error at load, not an allocation failure later
-            int32_t most = 0;
-            for (int32_t c = s - 1; c > 0; --c) {
-                if (fits(c, budget)) {
-                    most = c;
-                    break;
-                }
-            }
+            const int32_t fit = most(s - 1, budget);
             LLAMA_LOG_ERROR("%s: moe-cache: %d slots/layer need %.1f MiB on %s (%zu layers x (%d slots + %d staging + 1 zero) "
                     "x %.3f MiB%s), but it has %.0f MiB free%s and --moe-expert-cache-floor-mb keeps %d MiB free; %s\n",
-                    __func__, s, (s + stage_for(s) + 1) * per_slot + fixed, ggml_backend_buft_name(buft), ils.size(), s,
-                    stage_for(s), per_slot / ils.size(),
-                    fixed > 0 ? format(" + %.2f MiB of expert biases", fixed).c_str() : "", free / 1024.0 / 1024.0,
-                    reserve_mib > 0 ? format(" (%.0f MiB set aside for contexts)", reserve_mib).c_str() : "", floor_mib,
-                    most > 0 ? format("at most %d slots/layer fit (or use auto)", most).c_str()
-                             : "the device is too small for even one slot per layer");
+                    __func__, s, need(s), ggml_backend_buft_name(buft), ils.size(), s, stage_for(s), per_slot / ils.size(),
+                    fixed > 0 ? format(" + %.2f MiB of expert biases", fixed).c_str() : "", free_mib, set_aside.c_str(),
+                    floor_mib, fit > 0 ? format("at most %d slots/layer fit (or use auto)", fit).c_str()
+                                       : "the device is too small for even one slot per layer");
             return false;
         }
         if (is_auto) {
             if (ceil_mib > 0) {
                 budget = std::min(budget, (double) ceil_mib);
             }
-            s = 0;
-            for (int32_t c = n_expert; c > 0; --c) {
-                if (fits(c, budget)) {
-                    s = c;
-                    break;
-                }
-            }
+            s = most(n_expert, budget);
             LLAMA_LOG("%s: moe-cache: auto on %s: %.0f MiB free - %.0f MiB reserved for contexts - %d MiB floor%s -> "
                     "%d slots/layer for %zu layers (%.2f MiB per slot of every layer)\n", __func__,
-                    ggml_backend_buft_name(buft), free / 1024.0 / 1024.0, reserve_mib, floor_mib,
+                    ggml_backend_buft_name(buft), free_mib, reserve_mib, floor_mib,
                     ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", s, ils.size(), per_slot);
             if (s == 0) {
                 LLAMA_LOG_WARN("%s: moe-cache: WARNING auto resolved to 0 slots on %s: %.1f MiB left after the floor "

@@ -174,6 +174,15 @@ class LlamaServer:
                 raise EngineError(f"llama-server not healthy after {self.startup_timeout_s:.0f} s\n{_tail(self.log)}")
             time.sleep(0.1)
 
+    def get(self, path: str, timeout_s: float = 30) -> str:
+        """The body of ``GET path`` (``/metrics``, ``/props``, ...) as text.
+
+        Raises:
+            urllib.error.URLError: the server refused or did not answer in ``timeout_s`` seconds.
+        """
+        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as r:
+            return r.read().decode()
+
     def post(self, path: str, body: dict, timeout_s: float = 300) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})

@@ -60,12 +60,17 @@ def model_shape(model: str | os.PathLike) -> ModelShape:
     return ModelShape(n_layer, n_expert, k or 1, eb)
 
 
+def _slot_bytes(slots: int, shape: ModelShape, inserts: int, max_batch: int) -> float:
+    """Bytes of ``slots`` per layer with their staging and the zero slot, over every cached layer."""
+    stage = sim.staging_slots(slots, shape.n_expert, shape.top_k, inserts, max_batch)
+    return shape.n_layer * (slots + stage + 1) * shape.expert_bytes
+
+
 def device_bytes(slots: int, shape: ModelShape, inserts: int = 0, max_batch: int = 1) -> int:
     """Device bytes of the cache at ``slots`` per layer (rule 1); 0 when ``slots`` is 0 (cache off)."""
     if slots <= 0:
         return 0
-    stage = sim.staging_slots(slots, shape.n_expert, shape.top_k, inserts, max_batch)
-    return int(shape.n_layer * ((slots + stage + 1) * shape.expert_bytes + 4 * shape.n_expert))
+    return int(_slot_bytes(slots, shape, inserts, max_batch) + shape.n_layer * 4 * shape.n_expert)
 
 
 def budget_mib(slots: int, shape: ModelShape, inserts: int = 0, max_batch: int = 1) -> int:
@@ -74,8 +79,7 @@ def budget_mib(slots: int, shape: ModelShape, inserts: int = 0, max_batch: int =
     most slots that fit it, so at least ``slots``; the I32 tables are not part of it). 0 for 0 slots."""
     if slots <= 0:
         return 0
-    stage = sim.staging_slots(slots, shape.n_expert, shape.top_k, inserts, max_batch)
-    return math.ceil(shape.n_layer * (slots + stage + 1) * shape.expert_bytes / MIB)
+    return math.ceil(_slot_bytes(slots, shape, inserts, max_batch) / MIB)
 
 
 def max_slots(shape: ModelShape, free_mib: float | None, inserts: int = 0) -> int:

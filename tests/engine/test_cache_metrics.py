@@ -53,16 +53,12 @@ def test_preamble_and_summary_make_one_record(model_q8, rpc, tmp_path):
 
 def test_server_metrics_and_props(model_q8, rpc):
     import json
-    import urllib.request
 
     from pybmoe.engine import demo
     srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 8, 2, ["--metrics"]))
     with srv:
         srv.completion("Hello there", n_predict=16)
-        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        with urllib.request.urlopen(srv.url + "/props", timeout=30) as r:
-            props = json.loads(r.read())
+        text, props = srv.get("/metrics"), json.loads(srv.get("/props"))
     log = srv.stop()
     series = {}
     for line in text.splitlines():
@@ -192,23 +188,19 @@ def test_server_metrics_while_sleeping_keep_the_cache_counters(model_q8, rpc):
     the snapshot holds the cache's counters too (found by upstream's test_sleep with the cache on)."""
     import json
     import time
-    import urllib.request
 
     from pybmoe.engine import demo
     srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 8, 0, ["--metrics", "--sleep-idle-seconds", "1"]))
     with srv:
         srv.completion("Hello there", n_predict=8)
-        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
-            awake = _moe_series(r.read().decode())
+        awake = _moe_series(srv.get("/metrics"))
         deadline = time.time() + 20
         while True:
-            with urllib.request.urlopen(srv.url + "/props", timeout=30) as r:
-                if json.loads(r.read()).get("is_sleeping"):
-                    break
+            if json.loads(srv.get("/props")).get("is_sleeping"):
+                break
             assert time.time() < deadline, "the server did not go to sleep"
             time.sleep(0.2)
-        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
-            asleep = _moe_series(r.read().decode())
+        asleep = _moe_series(srv.get("/metrics"))
     srv.stop()
     assert awake["llamacpp:moe_cache_hits_total"] + awake["llamacpp:moe_cache_misses_total"] > 0
     assert asleep == awake

@@ -141,7 +141,6 @@ def test_llama_server_takes_upstreams_spelling(model_q8, rpc, tmp_path):
     """`llama-server --moe-cache-mib N` holds the slots --moe-expert-cache-mb N resolves to (the same
     line, the same slots on /metrics) and /props gives the MiB as asked."""
     import json
-    import urllib.request
 
     from pybmoe.engine import demo
     spec = models.read_spec(model_q8)
@@ -152,10 +151,7 @@ def test_llama_server_takes_upstreams_spelling(model_q8, rpc, tmp_path):
     srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 0, 0, ["--moe-cache-mib", str(mib), "--metrics"]))
     with srv:
         srv.completion("Hello there", n_predict=4)
-        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as resp:
-            text = resp.read().decode()
-        with urllib.request.urlopen(srv.url + "/props", timeout=30) as resp:
-            props = json.loads(resp.read())
+        text, props = srv.get("/metrics"), json.loads(srv.get("/props"))
     slog = srv.stop()
     m = MIB_LINE.search(slog)
     assert m and int(m.group(1)) == mib and int(m.group(3)) == s, slog[-2000:]

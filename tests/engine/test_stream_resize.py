@@ -79,13 +79,11 @@ def test_python_errors_name_the_range(model):
 
 
 def test_server_metrics_carry_the_stream_counters(model):
-    import urllib.request
     srv = engine.LlamaServer(["-m", str(model), "-ngl", "0", "--no-repack", "-c", "512", "-np", "1", "-t", "2",
                               "-ub", "32", "--moe-stream-cache-mb", "8", "--metrics"])
     with srv:
         srv.completion(PROMPT, n_predict=8)
-        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
+        text = srv.get("/metrics")
     log = srv.stop()
     rec = engine.stream_record(log, metrics=text)
     hits, misses = rec["stream_metrics_hits"], rec["stream_metrics_misses"]
