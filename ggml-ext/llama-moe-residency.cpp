@@ -20,6 +20,10 @@ int32_t llama_moe_stage_slots(int32_t n_expert, int32_t n_used, int32_t n_slots,
     return std::min({ n_inserts > 0 ? n_inserts : n_used, n_used * max_batch, n_expert - n_slots });
 }
 
+int32_t llama_moe_pool_stage_slots(int32_t n_layer, int32_t n_expert, int32_t n_used, int32_t n_slots) {
+    return std::max(0, std::min(n_layer * std::min(n_used, n_expert), n_layer * n_expert - n_slots));
+}
+
 bool llama_moe_residency_layer::is_resident(int32_t e) const {
     return table[e] < n_phys;
 }
@@ -42,12 +46,55 @@ int32_t llama_moe_residency::add_layer(int32_t n_expert, int32_t n_slots, int32_
     return (int32_t) layers.size() - 1;
 }
 
+int32_t llama_moe_residency::add_bank(const std::vector<int32_t> & ils, int32_t n_slots, int32_t n_stage, int32_t n_used) {
+    LLAMA_MOE_RES_ASSERT(!ils.empty() && n_slots >= 0 && n_stage >= 0);
+    const int32_t b = (int32_t) banks.size();
+    llama_moe_residency_bank bk;
+    bk.n_slots = n_slots;
+    bk.n_cap   = n_slots;
+    bk.n_stage = n_stage;
+    bk.n_phys  = n_slots + n_stage;
+    bk.n_used  = n_used;
+    bk.layers  = ils;
+    bk.slot_layer.assign(bk.n_phys, -1);
+    bk.slot_expert.assign(bk.n_phys, -1);
+    bk.slot_state.assign(bk.n_phys, LLAMA_MOE_SLOT_FREE);
+    for (int32_t il : ils) {
+        auto & l = layers.at(il);
+        LLAMA_MOE_RES_ASSERT(l.bank < 0 && l.n_cap == 0 && l.n_stage == 0);
+        l.bank   = b;
+        l.n_phys = bk.n_phys;
+        l.table.assign(l.n_expert, l.n_phys);
+        l.slot_expert.clear();
+        l.slot_state.clear();
+        l.moving_e.assign(l.n_expert, 0);
+        l.dirty = true;
+    }
+    banks.push_back(std::move(bk));
+    bank_sync_layers(b);
+    return b;
+}
+
+void llama_moe_residency::bank_sync_layers(int32_t b) {
+    auto & bk = banks[b];
+    const int32_t n = (int32_t) bk.layers.size();
+    bk.floor = std::min(bk.n_used, bk.n_slots / n) / 2;
+    for (int32_t il : bk.layers) {
+        auto & l = layers[il];
+        l.n_slots = bk.n_slots / n;                                  // the share, for the stats
+        l.n_cap   = std::min(l.n_expert, (bk.n_cap + n - 1) / n);    // resize(n_cap) gives the bank back its n_cap
+    }
+}
+
 void llama_moe_residency::lookup(int32_t il, const int32_t * ids, int64_t n) {
     auto & l = layers.at(il);
     l.served_now = true;
     l.misses_now.clear();
     l.hits_now.clear();
     l.last_step = step;
+    if (l.bank >= 0) {
+        banks[l.bank].last_step = step;
+    }
     const uint64_t s = ++l.n_served;
     for (int64_t i = 0; i < n; ++i) {
         const int32_t e = ids[i];
@@ -86,6 +133,7 @@ void llama_moe_residency::end_ubatch(bool any_served) {
 
 int32_t llama_moe_residency::lru_victim(int32_t il, uint64_t used_before) const {
     const auto & l = layers.at(il);
+    LLAMA_MOE_RES_ASSERT(l.bank < 0);
     int32_t victim = -1;
     for (int32_t q = 0; q < l.n_phys; ++q) {
         if (l.slot_state[q] != LLAMA_MOE_SLOT_RESIDENT || l.used[l.slot_expert[q]] >= used_before) {
@@ -102,7 +150,7 @@ int32_t llama_moe_residency::lru_victim(int32_t il, uint64_t used_before) const 
 
 void llama_moe_residency::evict(int32_t il, int32_t q) {
     auto & l = layers.at(il);
-    LLAMA_MOE_RES_ASSERT(q >= 0 && q < l.n_phys && l.slot_state[q] == LLAMA_MOE_SLOT_RESIDENT);
+    LLAMA_MOE_RES_ASSERT(l.bank < 0 && q >= 0 && q < l.n_phys && l.slot_state[q] == LLAMA_MOE_SLOT_RESIDENT);
     l.table[l.slot_expert[q]] = l.n_phys;
     l.slot_state[q]  = LLAMA_MOE_SLOT_FREE;
     l.slot_expert[q] = -1;
@@ -115,6 +163,28 @@ void llama_moe_residency::settle(size_t n_done) {
     for (size_t i = 0; i < n_done; ++i) {
         const llama_moe_move & m = moving[i];
         auto & l = layers.at(m.layer);
+        if (l.bank >= 0) {
+            auto & bk = banks[l.bank];
+            LLAMA_MOE_RES_ASSERT(bk.slot_state[m.slot] == LLAMA_MOE_SLOT_MOVING && bk.slot_layer[m.slot] == m.layer &&
+                                 bk.slot_expert[m.slot] == m.expert);
+            l.moving_e[m.expert] = 0;
+            if (bk.n_resident >= bk.n_slots) {
+                const int32_t victim = bank_victim(l.bank, m.layer);
+                if (victim < 0) {
+                    bk.slot_state[m.slot]  = LLAMA_MOE_SLOT_FREE;
+                    bk.slot_layer[m.slot]  = -1;
+                    bk.slot_expert[m.slot] = -1;
+                    continue;
+                }
+                bank_evict(l.bank, victim);
+            }
+            l.table[m.expert]     = m.slot;
+            bk.slot_state[m.slot] = LLAMA_MOE_SLOT_RESIDENT;
+            bk.n_resident++;
+            l.n_resident++;
+            l.dirty = true;
+            continue;
+        }
         LLAMA_MOE_RES_ASSERT(l.slot_state[m.slot] == LLAMA_MOE_SLOT_MOVING && l.slot_expert[m.slot] == m.expert);
         if (l.n_resident == l.n_slots) {
             // never evict an expert the last step looked up
@@ -140,6 +210,24 @@ int llama_moe_residency::start_move(int32_t il, int32_t e, int32_t & p) {
     if (l.is_resident(e)) {
         return 0; // became resident at this settle (an earlier miss of the same expert)
     }
+    if (l.bank >= 0) {
+        auto & bk = banks[l.bank];
+        if (l.moving_e[e]) {
+            return 0;
+        }
+        while (p < bk.n_phys && bk.slot_state[p] != LLAMA_MOE_SLOT_FREE) {
+            p++;
+        }
+        if (p == bk.n_phys) {
+            return -1;
+        }
+        bk.slot_state[p]  = LLAMA_MOE_SLOT_MOVING;
+        bk.slot_layer[p]  = il;
+        bk.slot_expert[p] = e;
+        l.moving_e[e] = 1;
+        moving.push_back({ il, e, p });
+        return 1;
+    }
     if (std::find(l.slot_expert.begin(), l.slot_expert.end(), e) != l.slot_expert.end()) {
         return 0; // still moving from an earlier step (the default mode does not wait for it)
     }
@@ -156,6 +244,37 @@ int llama_moe_residency::start_move(int32_t il, int32_t e, int32_t & p) {
     return 1;
 }
 
+void llama_moe_residency::schedule_layer(int32_t il, int32_t & p) {
+    auto & l = layers[il];
+    int32_t budget = n_inserts > 0 ? n_inserts : l.n_expert;
+    for (int32_t e : l.misses_now) {
+        if (budget == 0 || moves_left == 0) {
+            break;
+        }
+        const int r = start_move(il, e, p);
+        if (r < 0) {
+            p = -1; // no free slot left
+            break;
+        }
+        budget -= r;
+        moves_left -= r;
+    }
+}
+
+void llama_moe_residency::schedule_bank(int32_t b) {
+    const auto & bk = banks[b];
+    if (bk.n_slots == 0) {
+        return; // resized to nothing: a move could never become resident
+    }
+    // one cursor over the bank's slots: the layers' misses in forward order, until no slot is free
+    const int32_t n = (int32_t) bk.layers.size();
+    const int32_t first = n_step_moves > 0 ? (int32_t) (step % (uint64_t) n) : 0;
+    int32_t p = 0;
+    for (int32_t k = 0; k < n && p >= 0; ++k) {
+        schedule_layer(bk.layers[(first + k) % n], p);
+    }
+}
+
 void llama_moe_residency::schedule() {
     const int32_t n_layers = (int32_t) layers.size();
     moves_left = n_step_moves > 0 ? n_step_moves : INT32_MAX;
@@ -163,30 +282,22 @@ void llama_moe_residency::schedule() {
     const int32_t first = n_step_moves > 0 && n_layers > 0 ? (int32_t) (step % (uint64_t) n_layers) : 0;
     for (int32_t k = 0; k < n_layers; ++k) {
         const int32_t il = (first + k) % n_layers;
-        auto & l = layers[il];
-        int32_t budget = n_inserts > 0 ? n_inserts : l.n_expert;
-        if (l.n_slots == 0) {
-            budget = 0; // resized to nothing: a move could never become resident
-        }
         int32_t p = 0;
-        for (int32_t e : l.misses_now) {
-            if (budget == 0 || moves_left == 0) {
-                break;
-            }
-            const int r = start_move(il, e, p);
-            if (r < 0) {
-                break;
-            }
-            budget -= r;
-            moves_left -= r;
+        if (layers[il].bank < 0 && layers[il].n_slots > 0) { // resized to nothing: a move could never become resident
+            schedule_layer(il, p);
         }
+    }
+    for (int32_t b = 0; b < (int32_t) banks.size(); ++b) {
+        schedule_bank(b);
+    }
+    for (auto & l : layers) {
         l.misses_now.clear();
     }
 }
 
 int32_t llama_moe_residency::warm(int32_t il, const std::vector<int32_t> & experts, int32_t n) {
     auto & l = layers.at(il);
-    if (l.n_slots == 0) {
+    if ((l.bank >= 0 ? banks[l.bank].n_slots : l.n_slots) == 0) {
         return 0;
     }
     int32_t done = 0;
@@ -213,13 +324,85 @@ void llama_moe_residency::resize(int32_t n_slots) {
     LLAMA_MOE_RES_ASSERT(moving.empty() && n_slots >= 0);
     for (int32_t il = 0; il < (int32_t) layers.size(); ++il) {
         auto & l = layers[il];
+        l.misses_now.clear();
+        if (l.bank >= 0) {
+            continue;
+        }
         l.n_slots = std::min(n_slots, l.n_cap);
         // shrinking evicts at once, least recently used first
         while (l.n_resident > l.n_slots) {
             evict(il, lru_victim(il, UINT64_MAX));
         }
-        l.misses_now.clear();
     }
+    for (int32_t b = 0; b < (int32_t) banks.size(); ++b) {
+        auto & bk = banks[b];
+        bk.n_slots = (int32_t) std::min<int64_t>((int64_t) n_slots * (int64_t) bk.layers.size(), bk.n_cap);
+        // shrinking evicts at once, the least (last use, layer, expert) first
+        while (bk.n_resident > bk.n_slots) {
+            int32_t v = -1;
+            for (int32_t q = 0; q < bk.n_phys; ++q) {
+                if (bk.slot_state[q] == LLAMA_MOE_SLOT_RESIDENT && (v < 0 || bank_before(bk, q, v))) {
+                    v = q;
+                }
+            }
+            bank_evict(b, v);
+        }
+        bank_sync_layers(b);
+    }
+}
+
+bool llama_moe_residency::bank_before(const llama_moe_residency_bank & bk, int32_t q, int32_t r) const {
+    const int32_t lq = bk.slot_layer[q], lr = bk.slot_layer[r];
+    const uint64_t uq = layers[lq].used[bk.slot_expert[q]], ur = layers[lr].used[bk.slot_expert[r]];
+    if (uq != ur) {
+        return uq < ur;
+    }
+    return lq != lr ? lq < lr : bk.slot_expert[q] < bk.slot_expert[r];
+}
+
+int32_t llama_moe_residency::bank_victim(int32_t b, int32_t il) const {
+    const auto & bk = banks[b];
+    const uint64_t s = bk.last_step;
+    int32_t best = -1;
+    // its own layer's entries, or those of a layer over the floor, that the last served step did not look up
+    for (int32_t q = 0; q < bk.n_phys; ++q) {
+        if (bk.slot_state[q] != LLAMA_MOE_SLOT_RESIDENT) {
+            continue;
+        }
+        const int32_t ly = bk.slot_layer[q];
+        if (layers[ly].used[bk.slot_expert[q]] >= s || (ly != il && layers[ly].n_resident <= bk.floor)) {
+            continue;
+        }
+        if (best < 0 || bank_before(bk, q, best)) {
+            best = q;
+        }
+    }
+    if (best < 0 && layers[il].n_resident < bk.floor) {
+        // under its floor: a layer over its floor gives, even an entry the last step looked up
+        for (int32_t q = 0; q < bk.n_phys; ++q) {
+            if (bk.slot_state[q] != LLAMA_MOE_SLOT_RESIDENT) {
+                continue;
+            }
+            const int32_t ly = bk.slot_layer[q];
+            if (ly != il && layers[ly].n_resident > bk.floor && (best < 0 || bank_before(bk, q, best))) {
+                best = q;
+            }
+        }
+    }
+    return best;
+}
+
+void llama_moe_residency::bank_evict(int32_t b, int32_t q) {
+    auto & bk = banks[b];
+    LLAMA_MOE_RES_ASSERT(q >= 0 && q < bk.n_phys && bk.slot_state[q] == LLAMA_MOE_SLOT_RESIDENT);
+    auto & l = layers[bk.slot_layer[q]];
+    l.table[bk.slot_expert[q]] = l.n_phys;
+    l.n_resident--;
+    l.dirty = true;
+    bk.slot_state[q]  = LLAMA_MOE_SLOT_FREE;
+    bk.slot_layer[q]  = -1;
+    bk.slot_expert[q] = -1;
+    bk.n_resident--;
 }
 
 //

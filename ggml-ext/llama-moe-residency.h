@@ -10,7 +10,8 @@
 // schedule and settle) and publishes the tables; this file only decides.
 //
 // Two policies live here:
-//   llama_moe_residency  per-layer LRU with an upload lag (the VRAM tier)
+//   llama_moe_residency  per-layer LRU with an upload lag (the VRAM tier), or one bank of slots shared by
+//                        several layers (the pool, below)
 //   llama_moe_lru        one LRU over every (layer, expert) entry, no lag (the stream tier)
 //
 // The per-layer policy (docs/expert-cache.md, "The policy,
@@ -42,6 +43,34 @@ struct llama_moe_move {
 // distinct experts), never more than the experts that are not resident
 int32_t llama_moe_stage_slots(int32_t n_expert, int32_t n_used, int32_t n_slots, int32_t n_inserts, int32_t max_batch);
 
+// The pool (docs/expert-cache.md, "The pool"; pybmoe.routing.sim policy "pool"): the layers of a bank share
+// its P resident and S staging slots, and one LRU over their (layer, expert) entries decides what it holds,
+// with the same lag as per-layer slots (a miss at step s is resident from step s + 2). A settling move into a
+// full bank evicts the least (last use, layer, expert) among the residents the last served step did not look
+// up (the bank's own last served step), taken from its own layer or from a layer holding more than the floor f = min(top-k, P / n) / 2 entries;
+// a layer under its floor may take an over-floor layer's entry even if the last step looked it up; with no
+// candidate the move is dropped. A step's misses are scheduled layer by layer, in lookup order, while a
+// physical slot is free. The layers' tables hold bank slot numbers, and the bank's n_phys means "not resident".
+struct llama_moe_residency_bank {
+    int32_t n_slots = 0; // P: resident capacity now (a resize changes it)
+    int32_t n_cap   = 0; // the most n_slots can be set to
+    int32_t n_stage = 0; // S
+    int32_t n_phys  = 0; // n_cap + n_stage
+    int32_t n_used  = 0; // top-k, for the floor
+    int32_t floor   = 0; // f, entries per layer (follows n_slots)
+    int32_t n_resident = 0;
+    uint64_t last_step = 0; // the last step that looked any of its layers up (0 = none): what it selected is kept
+
+    std::vector<int32_t> layers;      // indices into llama_moe_residency::layers, in forward order
+    std::vector<int32_t> slot_layer;  // [n_phys] -1 when free
+    std::vector<int32_t> slot_expert; // [n_phys] -1 when free
+    std::vector<uint8_t> slot_state;  // [n_phys] llama_moe_slot_state
+};
+
+// the pool's staging slots: the per-layer staging of n layers without an insert cap, summed
+// (pybmoe.routing.sim.pool_staging)
+int32_t llama_moe_pool_stage_slots(int32_t n_layer, int32_t n_expert, int32_t n_used, int32_t n_slots);
+
 // one layer's slots
 struct llama_moe_residency_layer {
     int32_t n_expert = 0;
@@ -49,6 +78,8 @@ struct llama_moe_residency_layer {
     int32_t n_cap    = 0; // the most n_slots can be set to
     int32_t n_stage  = 0; // extra slots that moves land in while the residents keep serving
     int32_t n_phys   = 0; // n_cap + n_stage; as a table value it means "not resident"
+    int32_t bank     = -1; // index into llama_moe_residency::banks (then the slot_* vectors are the bank's), or -1
+    std::vector<uint8_t> moving_e; // [n_expert] a bank layer's expert is moving (-1: per-layer slots track it in slot_expert)
 
     std::vector<int32_t>  table;       // [n_expert] expert -> slot, n_phys when not resident
     std::vector<uint64_t> used;        // [n_expert] the last step the expert was looked up (0 = never)
@@ -71,6 +102,7 @@ struct llama_moe_residency_layer {
 
 struct llama_moe_residency {
     std::vector<llama_moe_residency_layer> layers;
+    std::vector<llama_moe_residency_bank>  banks;
 
     int32_t  n_inserts = 0;  // moves per layer per step (0 = unlimited)
     // admission (0 = always: every miss is scheduled). W > 0, second-miss: a miss is scheduled only
@@ -88,6 +120,10 @@ struct llama_moe_residency {
 
     // adds a layer of n_expert experts with n_slots residents and n_stage staging slots; returns its index
     int32_t add_layer(int32_t n_expert, int32_t n_slots, int32_t n_stage);
+
+    // makes `ils` (layers added with add_layer(n_expert, 0, 0), in forward order) one bank of n_slots
+    // residents and n_stage staging slots; returns its index
+    int32_t add_bank(const std::vector<int32_t> & ils, int32_t n_slots, int32_t n_stage, int32_t n_used);
 
     // one served layer step: ids[0 .. n) are its lookups in router order (token-major, rank-minor)
     void lookup(int32_t il, const int32_t * ids, int64_t n);
@@ -120,8 +156,8 @@ struct llama_moe_residency {
     // take from it
     int32_t moves_left = INT32_MAX;
 
-    // sets the residents per layer to min(n_slots, n_cap); a shrink evicts the least recently used
-    // at once. Call with nothing moving (settle first).
+    // sets the residents per layer to min(n_slots, n_cap) (a bank: n_slots x its layers, at most its n_cap);
+    // a shrink evicts the least recently used at once. Call with nothing moving (settle first).
     void resize(int32_t n_slots);
 
     // the least recently used resident slot among experts last used before `used_before`, or -1;
@@ -131,6 +167,18 @@ struct llama_moe_residency {
     void evict(int32_t il, int32_t slot);
 
 private:
+    // the pool's victim for a move of layer il into bank b (its slot, or -1), see llama_moe_residency_bank
+    int32_t bank_victim(int32_t b, int32_t il) const;
+    void    bank_evict(int32_t b, int32_t slot);
+    // slot q's entry goes before slot r's as a victim: the least (last use, layer, expert)
+    bool    bank_before(const llama_moe_residency_bank & bk, int32_t q, int32_t r) const;
+    // the bank's slots per layer for the stats and the cap (P / n)
+    void    bank_sync_layers(int32_t b);
+    void    schedule_bank(int32_t b);
+    // layer il's misses into free slots from cursor p on (per-layer slots: its own; a bank: the bank's); p
+    // becomes -1 when no slot is free
+    void    schedule_layer(int32_t il, int32_t & p);
+
     // expert e of layer il into the first free slot at or after p (p advances): 1 when a move
     // starts, 0 when e is resident or already moving, -1 when no slot is free
     int start_move(int32_t il, int32_t e, int32_t & p);

@@ -181,6 +181,18 @@ int32_t llama_model_moe_trace_open(llama_model * model, const char * path, int32
     std::string header = format("n_layer=%d n_expert=%d n_expert_used=%d slots=%d inserts=%d max_batch=%d",
             (int) model->layers.size(), (int) model->hparams.n_expert, (int) model->hparams.n_expert_used(),
             mc->vram.n_slots, mc->vram.res.n_inserts, mc->max_batch);
+    if (mc->vram.enabled() && !mc->vram.res.banks.empty()) {
+        // the pool's banks, "P:il,il,.../P:il,...": each bank's resident slots and model layers
+        // (pybmoe.routing.sim.engine_replay replays each bank on its own)
+        std::string banks;
+        for (const auto & bk : mc->vram.res.banks) {
+            banks += format("%s%d:", banks.empty() ? "" : "/", bk.n_slots);
+            for (size_t i = 0; i < bk.layers.size(); ++i) {
+                banks += format("%s%d", i ? "," : "", mc->vram.layers[mc->vram.layer_of_ir(bk.layers[i])].il);
+            }
+        }
+        header += " pool=" + banks;
+    }
     if (mc->vram.res.admit_window > 0) {
         header += format(" admit=%d", mc->vram.res.admit_window); // the admission window, steps (pybmoe.routing.sim)
     }

@@ -214,125 +214,6 @@ static void llama_moe_vram_fit_count(llama_model & model, const std::map<ggml_ba
     }
 }
 
-// the device companions built so far: handed to the model once start-up has succeeded, freed with
-// the start-up otherwise (a cache that turns itself off keeps no device memory)
-using llama_moe_held_buffers = std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>>;
-
-// the device companions of the layers `ils` in buft, one context + buffer (into `held`); the layers
-// are appended to vram.layers. Returns false (logged) when the buffer cannot be allocated.
-static bool llama_moe_vram_alloc(llama_model & model, llama_moe_tiers & mc, ggml_backend_buffer_type_t buft,
-                                 const std::vector<int> & ils, int32_t dev_slots, int32_t n_stage, std::string & budgets,
-                                 llama_moe_held_buffers & held) {
-    auto & vram = mc.vram;
-    const int32_t n_expert = (int32_t) model.hparams.n_expert;
-    const int32_t n_used   = (int32_t) model.hparams.n_expert_used();
-    ggml_init_params params = {
-        /*.mem_size   =*/ (ils.size() * (LLAMA_MOE_N_PROJ + LLAMA_MOE_N_BIAS + 1) + 1) * ggml_tensor_overhead(),
-        /*.mem_buffer =*/ nullptr,
-        /*.no_alloc   =*/ true,
-    };
-    ggml_context_ptr ctx { ggml_init(params) };
-    // one id->slot table for all the device's layers: one copy publishes a step's changes
-    llama_moe_vram::device_table tb;
-    tb.t = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I32, (int64_t) n_expert * (int64_t) ils.size());
-    ggml_format_name(tb.t, "ffn_exps.cache_tables");
-    tb.host.assign((size_t) ggml_nelements(tb.t), 0);
-    const int32_t itb = (int32_t) vram.tables.size();
-    for (const int & il : ils) { // by reference: its index in ils places its table
-        const auto & layer = model.layers[il];
-        llama_moe_vram_layer l;
-        l.il = il; l.n_expert = n_expert; l.n_used = n_used; l.n_phys = dev_slots + n_stage; l.log = &mc.log;
-        l.ir = vram.res.add_layer(n_expert, dev_slots, n_stage);
-        const char * names[LLAMA_MOE_N_PROJ] = {};
-        const ggml_tensor * exps[LLAMA_MOE_N_PROJ] = {};
-        l.n_proj = llama_moe_layer_exps(layer, exps, names);
-        for (int p = 0; p < l.n_proj; ++p) {
-            const ggml_tensor * t = exps[p];
-            l.exps[p] = t;
-            l.src[p]  = mc.sources.tensors.at(ggml_get_name(t));
-            l.expert_nbytes[p] = t->nb[2];
-            GGML_ASSERT(l.src[p].nbytes == t->nb[2] * (size_t) n_expert && "expert layout differs from the GGUF");
-            l.slots[p] = ggml_new_tensor_3d(ctx.get(), t->type, t->ne[0], t->ne[1], l.n_phys + 1);
-            // the ".cache" suffix is a contract: backends that transform weights in place on first
-            // use (SYCL's reorder, patch 0011) skip tensors named so, since their slices are rewritten
-            ggml_format_name(l.slots[p], "blk.%d.ffn_%s_exps.cache", il, names[p]);
-        }
-        l.n_bias = llama_moe_bias_list(layer, l.bias_host);
-        for (int b = 0; b < l.n_bias; ++b) {
-            l.bias_dev[b] = ggml_dup_tensor(ctx.get(), l.bias_host[b]);
-            ggml_format_name(l.bias_dev[b], "%s.cache_copy", ggml_get_name(l.bias_host[b])); // not ".cache": written once, SYCL may reorder it
-        }
-        l.tb      = itb;
-        l.tb_offs = (size_t) n_expert * (size_t) (&il - ils.data());
-        l.dev_table = ggml_view_2d(ctx.get(), tb.t, 1, n_expert, sizeof(int32_t), l.tb_offs * sizeof(int32_t));
-        ggml_format_name(l.dev_table, "blk.%d.ffn_exps.cache_table", il);
-        vram.layer_of_il[il] = (int32_t) vram.layers.size();
-        vram.layers.push_back(std::move(l));
-    }
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
-    if (buf == nullptr) {
-        LLAMA_LOG_ERROR("%s: moe-cache: cannot allocate %d slots per layer in %s; the cache is OFF\n",
-                __func__, dev_slots, ggml_backend_buft_name(buft));
-        return false;
-    }
-    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    ggml_backend_buffer_clear(buf, 0); // every slot, including the dummy slot, computes exact zeros
-    vram.tables.push_back(std::move(tb));
-    std::vector<uint8_t> bias_bytes;   // the bias copies: the model's values, once
-    for (size_t li = vram.layers.size() - ils.size(); li < vram.layers.size(); ++li) {
-        const auto & l = vram.layers[li];
-        for (int b = 0; b < l.n_bias; ++b) {
-            bias_bytes.resize(ggml_nbytes(l.bias_host[b]));
-            ggml_backend_tensor_get(l.bias_host[b], bias_bytes.data(), 0, bias_bytes.size());
-            ggml_backend_tensor_set(l.bias_dev[b], bias_bytes.data(), 0, bias_bytes.size());
-        }
-    }
-    const size_t size = ggml_backend_buffer_get_size(buf);
-    vram.alloc_bytes += size;
-    budgets += format("%s%s:%.2f", budgets.empty() ? "" : ",", ggml_backend_buft_name(buft), size/1024.0/1024.0);
-    vram.devices.push_back({ ggml_backend_buft_name(buft), (int64_t) dev_slots * (int64_t) ils.size(), size });
-    // what the bytes are: resident slots, staging slots (uploads land there), the zero slot, and the rest
-    // (the id->slot table and the bias copies, plus alignment)
-    double slots_b = 0.0, stage_b = 0.0, zero_b = 0.0;
-    for (size_t li = vram.layers.size() - ils.size(); li < vram.layers.size(); ++li) {
-        const double e = (double) vram.layers[li].expert_bytes();
-        slots_b += e * dev_slots;
-        stage_b += e * n_stage;
-        zero_b  += e;
-    }
-    const double mib = 1024.0 * 1024.0;
-    LLAMA_LOG_INFO("%s: moe-cache: %8.2f MiB of expert slots for %zu layers in %s: %.2f MiB resident slots (%d/layer), "
-            "%.2f MiB staging (%d/layer), %.2f MiB zero slot, %.2f MiB tables and bias copies\n", __func__,
-            size/mib, ils.size(), ggml_backend_buft_name(buft), slots_b/mib, dev_slots, stage_b/mib, n_stage, zero_b/mib,
-            std::max(0.0, size - slots_b - stage_b - zero_b)/mib);
-    held.emplace_back(std::move(ctx), ggml_backend_buffer_ptr(buf));
-    return true;
-}
-
-// host companions: the table the CPU MUL_MAT_ID reads (src[3]) and the observed routing
-static void llama_moe_vram_alloc_host(llama_moe_tiers & mc) {
-    auto & vram = mc.vram;
-    ggml_init_params params = {
-        /*.mem_size   =*/ vram.layers.size() * 2 * ggml_tensor_overhead(),
-        /*.mem_buffer =*/ nullptr,
-        /*.no_alloc   =*/ true,
-    };
-    vram.host_ctx.reset(ggml_init(params));
-    for (auto & l : vram.layers) {
-        l.host_table = ggml_new_tensor_1d(vram.host_ctx.get(), GGML_TYPE_I32, l.n_expert);
-        ggml_format_name(l.host_table, "blk.%d.ffn_exps.cache_table_host", l.il);
-        l.observed = ggml_new_tensor_1d(vram.host_ctx.get(), GGML_TYPE_I32, (int64_t) l.n_used * mc.max_batch);
-        ggml_format_name(l.observed, "blk.%d.ffn_exps.cache_observed", l.il);
-    }
-    vram.host_buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(vram.host_ctx.get(), ggml_backend_cpu_buffer_type()));
-    GGML_ASSERT(vram.host_buf);
-    vram.alloc_bytes += ggml_backend_buffer_get_size(vram.host_buf.get());
-    for (auto & l : vram.layers) {
-        std::fill((int32_t *) l.observed->data, (int32_t *) l.observed->data + ggml_nelements(l.observed), -1);
-    }
-    vram.publish(); // every layer is dirty since add_layer
-}
-
 // the tier's start line, its metrics preamble (one line, key=value, parsed by pybmoe.engine.parse_cache_preamble)
 // and the cliff guard's WARN
 static void llama_moe_vram_log_start(const llama_moe_vram & vram, const llama_moe_tiers & owner, int n_moe, int32_t n_expert,
@@ -340,10 +221,26 @@ static void llama_moe_vram_log_start(const llama_moe_vram & vram, const llama_mo
                                      const std::string & budgets) {
     const char * fn = "llama_moe_vram_init";
     const auto & l0 = vram.layers[0];
-    const int32_t n_stage = vram.res.layers[l0.ir].n_stage;
-    LLAMA_LOG("%s: moe-cache: %zu of %d MoE layers cached, %d slots/layer (+%d staging, +1 zero) of %d experts, "
-            "top-k %d, expert %.3f MiB, inserts/step %s\n", fn, vram.layers.size(), n_moe, n_slots, n_stage,
-            n_expert, n_used, l0.expert_bytes()/1024.0/1024.0, n_inserts > 0 ? std::to_string(n_inserts).c_str() : "unlimited");
+    int32_t n_stage = vram.res.layers[l0.ir].n_stage;
+    std::string pool; // the pool's banks: slots, staging and zero slots over all of them
+    if (!vram.res.banks.empty()) {
+        int64_t P = 0, S = 0;
+        for (const auto & bk : vram.res.banks) {
+            P += bk.n_slots;
+            S += bk.n_stage;
+        }
+        n_stage = (int32_t) (S / (int64_t) vram.layers.size());
+        pool = format(" pool=%lld pool_staging=%lld banks=%zu", (long long) P, (long long) S, vram.res.banks.size());
+        LLAMA_LOG("%s: moe-cache: %zu of %d MoE layers cached, one pool per device: %lld slots over (layer, expert) "
+                "(%d/layer on average, +%lld staging, +%zu zero) of %d experts, top-k %d, expert %.3f MiB, floor %d/layer, "
+                "inserts/step %s\n", fn, vram.layers.size(), n_moe, (long long) P, n_slots, (long long) S,
+                vram.res.banks.size(), n_expert, n_used, l0.expert_bytes()/1024.0/1024.0, vram.res.banks[0].floor,
+                n_inserts > 0 ? std::to_string(n_inserts).c_str() : "unlimited");
+    } else {
+        LLAMA_LOG("%s: moe-cache: %zu of %d MoE layers cached, %d slots/layer (+%d staging, +1 zero) of %d experts, "
+                "top-k %d, expert %.3f MiB, inserts/step %s\n", fn, vram.layers.size(), n_moe, n_slots, n_stage,
+                n_expert, n_used, l0.expert_bytes()/1024.0/1024.0, n_inserts > 0 ? std::to_string(n_inserts).c_str() : "unlimited");
+    }
 
     // the metrics preamble: one line, key=value, parsed by pybmoe.engine.parse_cache_preamble
     // cache_cycle_mb: the worst-case bytes one token needs, every cached layer's experts x min(top-k, n_expert)
@@ -353,9 +250,20 @@ static void llama_moe_vram_log_start(const llama_moe_vram & vram, const llama_mo
     }
     // slots, staging and the zero slot per layer, separately: staging and zero never hold residents
     LLAMA_LOG("moe-cache-preamble: layers=%zu n_expert=%d top_k=%d slots=%d staging=%d zero=1 inserts=%d max_batch=%d "
-            "slot_mib=%.4f budget_mib=%s cache_cycle_mb=%.2f layer_cycle_slots=%d\n", vram.layers.size(), n_expert, n_used,
-            n_slots, n_stage, n_inserts, owner.max_batch, l0.expert_bytes()/1024.0/1024.0, budgets.c_str(), cycle_mib, n_used);
-    if (n_slots_min < n_used) {
+            "slot_mib=%.4f budget_mib=%s cache_cycle_mb=%.2f layer_cycle_slots=%d%s\n", vram.layers.size(), n_expert, n_used,
+            n_slots, n_stage, n_inserts, owner.max_batch, l0.expert_bytes()/1024.0/1024.0, budgets.c_str(), cycle_mib, n_used,
+            pool.c_str());
+    if (!vram.res.banks.empty()) {
+        // the cliff guard, for each bank of the pool under its token cycle (its layers x top-k)
+        for (const auto & bk : vram.res.banks) {
+            const int64_t cycle = (int64_t) bk.layers.size() * std::min(n_used, n_expert);
+            if (bk.n_slots < cycle) {
+                LLAMA_LOG_WARN("%s: moe-cache: WARNING a pool of %d slots over %zu layers is below their token cycle of "
+                        "%lld slots at top-k %d: one token's experts cannot all stay resident until the next token (the "
+                        "floor keeps %d per layer)\n", fn, bk.n_slots, bk.layers.size(), (long long) cycle, n_used, bk.floor);
+            }
+        }
+    } else if (n_slots_min < n_used) {
         // the cliff guard: state the fact, once, at load
         LLAMA_LOG_WARN("%s: moe-cache: WARNING %d slots/layer is below the per-layer token cycle of %d slots at "
                 "top-k %d: one token's experts cannot all stay resident until the next token\n",
@@ -400,6 +308,9 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     const int32_t n_expert = (int32_t) hp.n_expert;
     const int32_t n_used   = (int32_t) hp.n_expert_used();
     const std::string req = is_auto ? "auto" : budget_mib > 0 ? format("%d MiB of", budget_mib) : std::to_string(n_slots);
+    // a budget in MiB per device is one pool per device (docs/expert-cache.md, "The pool"); slots per layer
+    // (fixed or auto) stay each layer's own
+    const bool pool = budget_mib > 0;
     if (is_auto || budget_mib > 0) {
         n_slots = n_expert; // the most any device can get; each device is sized below
     } else if (n_slots > n_expert) {
@@ -457,31 +368,13 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
         llama_moe_vram_fit_count(*model, by_buft, slots_of, stage_for);
         return 0;
     }
-    n_slots = 0;
-    int32_t n_slots_min = n_expert;
-    for (const auto & [buft, s] : slots_of) {
-        n_slots     = std::max(n_slots, s);
-        n_slots_min = std::min(n_slots_min, s);
-    }
-
-    vram.n_slots       = n_slots;
-    vram.res.n_inserts = n_inserts;
-    vram.layer_of_il.assign(model->layers.size(), -1);
-    size_t n_layers = 0;
-    for (const auto & [buft, ils] : by_buft) {
-        n_layers += ils.size();
-    }
-    vram.layers.reserve(n_layers);
     std::string budgets; // "<buft>:<MiB>,..." for the preamble
     llama_moe_held_buffers held;
-    for (const auto & [buft, ils] : by_buft) {
-        const int32_t dev_slots = slots_of.at(buft);
-        if (!llama_moe_vram_alloc(*model, *mc, buft, ils, dev_slots, stage_for(dev_slots), budgets, held)) {
-            vram.disable(); // before `held` frees the tensors its layers point at
-            return -1;
-        }
+    int32_t n_slots_min = n_expert;
+    if (!llama_moe_vram_alloc_devices(*model, *mc, by_buft, slots_of, stage_for, pool, n_inserts, budgets, held, n_slots_min)) {
+        return -1;
     }
-    llama_moe_vram_alloc_host(*mc);
+    n_slots = vram.n_slots;
 
     std::string err;
     // uploads of experts held in RAM (the stream tier's copies) read that copy, pinned until they are done

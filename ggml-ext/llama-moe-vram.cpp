@@ -26,6 +26,15 @@ int llama_moe_bias_list(const llama_layer & layer, const ggml_tensor * out[LLAMA
     return n;
 }
 
+int32_t llama_moe_vram::layer_of_ir(int32_t ir) const {
+    for (size_t li = 0; li < layers.size(); ++li) {
+        if (layers[li].ir == ir) {
+            return (int32_t) li;
+        }
+    }
+    return -1;
+}
+
 const llama_moe_vram_layer * llama_moe_vram::layer(int il) const {
     if (il < 0 || il >= (int) layer_of_il.size() || layer_of_il[il] < 0) {
         return nullptr;
@@ -370,11 +379,26 @@ bool llama_model_moe_cache_get_device_stats(const llama_model * model, int32_t i
     if (mc == nullptr || out == nullptr || i < 0 || i >= (int32_t) mc->vram.devices.size()) {
         return false;
     }
-    const auto & d = mc->vram.devices[i];
+    std::lock_guard<std::mutex> lock(mc->mutex);
+    const auto & vram = mc->vram;
+    const auto & d = vram.devices[i];
     *out = {};
     snprintf(out->name, sizeof(out->name), "%s", d.name.c_str());
     out->n_slots     = d.slots;
     out->alloc_bytes = d.bytes;
+    out->n_banks     = d.n_banks;
+    out->n_layers    = (int32_t) d.n_layers;
+    for (size_t li = d.first; li < d.first + d.n_layers; ++li) {
+        const auto & r = vram.res.layers[vram.layers[li].ir];
+        out->n_resident += r.n_resident;
+        out->hits       += r.hits;
+        out->misses     += r.misses;
+        out->n_slots_now += r.bank < 0 ? r.n_slots : 0;
+    }
+    for (const auto & bk : vram.res.banks) {
+        const size_t li = (size_t) vram.layer_of_ir(bk.layers[0]);
+        out->n_slots_now += li >= d.first && li < d.first + d.n_layers ? bk.n_slots : 0;
+    }
     return true;
 }
 
@@ -401,7 +425,15 @@ int32_t llama_model_moe_cache_set_slots(llama_model * model, int32_t n_slots) {
     vram.settle(/*all =*/ true); // no slot is being written while the tables change
     vram.res.resize(n_slots);
     vram.publish();
-    LLAMA_LOG("%s: moe-cache: %d slots/layer now\n", __func__, n_slots);
+    if (vram.res.banks.empty()) {
+        LLAMA_LOG("%s: moe-cache: %d slots/layer now\n", __func__, n_slots);
+    } else {
+        int64_t P = 0;
+        for (const auto & bk : vram.res.banks) {
+            P += bk.n_slots;
+        }
+        LLAMA_LOG("%s: moe-cache: %d slots/layer now: the pool holds %lld slots\n", __func__, n_slots, (long long) P);
+    }
     return n_slots;
 }
 

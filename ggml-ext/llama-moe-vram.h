@@ -92,9 +92,12 @@ struct llama_moe_vram : llama_moe_device_residents {
     uint64_t alloc_bytes = 0;
 
     struct device_use {
-        std::string name;   // buffer type, e.g. CUDA0, RPC0[host:port]
-        int64_t     slots;  // slots allocated at load over the layers on it
-        size_t      bytes;  // companion bytes allocated there
+        std::string name;     // buffer type, e.g. CUDA0, RPC0[host:port]
+        int64_t     slots;    // resident slots allocated at load over the layers on it (the pool: its banks')
+        size_t      bytes;    // companion bytes allocated there
+        size_t      first;    // its first layer in `layers` (its layers are contiguous)
+        size_t      n_layers;
+        int32_t     n_banks;  // the pool's banks on it (0: slots per layer)
     };
     std::vector<device_use> devices;
 
@@ -154,6 +157,9 @@ struct llama_moe_vram : llama_moe_device_residents {
     // the cached layer of model layer il, or nullptr
     const llama_moe_vram_layer * layer(int il) const;
 
+    // the index in `layers` of residency layer ir, or -1
+    int32_t layer_of_ir(int32_t ir) const;
+
     // llama_moe_device_residents (llama-moe-links.h): layer il's host copy of its id -> slot table
     llama_moe_device_slots device_slots(int32_t il) const override;
 
@@ -196,6 +202,19 @@ struct llama_model;
 // does not fit a device.
 struct llama_moe_tiers;
 using llama_moe_vram_by_buft = std::map<ggml_backend_buffer_type_t, std::vector<int>>;
+
+// the device companions built so far: handed to the model once start-up has succeeded, freed with
+// the start-up otherwise (a cache that turns itself off keeps no device memory)
+using llama_moe_held_buffers = std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>>;
+
+// llama-moe-vram-alloc.cpp: the companions of every device in by_buft (slots_of.at(buft) per layer; pool: the
+// layers of one expert shape share a bank in the bytes those slots would take) and the host tables. Sets
+// vram.n_slots (the most per layer; the pool: its largest share) and n_slots_min. false (logged): a buffer
+// could not be allocated, and the tier is disabled.
+bool llama_moe_vram_alloc_devices(llama_model & model, llama_moe_tiers & mc, const llama_moe_vram_by_buft & by_buft,
+                                  const std::map<ggml_backend_buffer_type_t, int32_t> & slots_of,
+                                  const std::function<int32_t(int32_t)> & stage_for, bool pool, int32_t n_inserts,
+                                  std::string & budgets, llama_moe_held_buffers & held, int32_t & n_slots_min);
 void llama_moe_vram_layer_mib(const llama_model & model, const std::vector<int> & ils, double & per_slot, double & fixed);
 bool llama_moe_vram_size_devices(const llama_model & model, const llama_moe_tiers & mc, llama_moe_vram_by_buft & by_buft,
                                  std::map<ggml_backend_buffer_type_t, int32_t> & slots_of, int32_t n_slots,

@@ -13,6 +13,7 @@ target_sources(llama PRIVATE
     ${PYBMOE_EXT_DIR}/llama-moe-overlap.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-waves.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-vram.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-vram-alloc.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-vram-init.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-vram-sizing.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-stream.cpp

@@ -50,8 +50,15 @@ struct llama_moe_cache_stats {
 // one device that holds slots (a buffer type: CUDA0, RPC0[host:port], ...)
 struct llama_moe_cache_device_stats {
     char     name[128];       // the buffer type's name
-    int64_t  n_slots;         // slots allocated at load over the layers on it (slots/layer x layers)
+    int64_t  n_slots;         // resident slots allocated at load over the layers on it (slots/layer x layers, or
+                              // the pool's slots: --moe-expert-cache-mb)
     uint64_t alloc_bytes;     // companion bytes allocated there
+    int32_t  n_banks;         // the pool's banks there (its layers of one expert shape share one); 0: slots per layer
+    int32_t  n_layers;        // cached layers there
+    int64_t  n_resident;      // experts resident there now
+    int64_t  n_slots_now;     // resident slots now (a resize changes it)
+    uint64_t hits;            // lookups of its layers served from its slots
+    uint64_t misses;          // lookups of its layers computed on the host
 };
 
 // the results every call that can fail shares (a call's own codes, such as LLAMA_MOE_CACHE_ERR_NO_ROOM, are

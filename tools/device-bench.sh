@@ -18,6 +18,7 @@
 #    the model's shape (the granite trace mapped onto 48 x 128 by `pybmoe trace synth`):
 #      host      -ngl 99 -ncmoe 99 (every expert in host memory, the stock --cpu-moe), cache off
 #      cache-S   the same with --moe-expert-cache S, for 3 sizes S
+#      pool-S    the MiB cache-S took on the device (its budget_mib), as one pool: --moe-expert-cache-mb
 #      vram      -ngl 99 (every expert on the device: the ceiling)
 #    all with --repack 0 (the cache's host chain needs the plain layout; host-repack, the stock
 #    default, runs last if time is left). Runs go in priority order and stop at the deadline;
@@ -210,6 +211,11 @@ run() {         # run POINT MODE SLOTS PLACEMENT REPACK
     local pn=(-p 0 -n "$NG"); [ "$mode" = pp ] && pn=(-p "$NP" -n 0)
     local place_args=(-ngl 99 -ncmoe 99 --moe-expert-cache "$slots")
     [ "$place" = vram ] && place_args=(-ngl 99)
+    if [ "$place" = pool ]; then  # the MiB cache-$slots took (its preamble's budget_mib, rounded up), as a pool
+        local mib; mib=$(grep -ho "budget_mib=[^ ]*" "$OUT/runs/cache-${slots}_tg.log" 2>/dev/null | head -1 | sed 's/.*://; s/\..*//')
+        if [ -z "$mib" ]; then log "skip ${point} ${mode}: cache-${slots} printed no budget"; return; fi
+        place_args=(-ngl 99 -ncmoe 99 --moe-expert-cache-mb $(( mib + 1 )))
+    fi
     local t=$(date +%s)
     timeout "$budget" "$BIN/llama-bench" -m "$MODEL" "${pn[@]}" -r "$REPS" -o csv -v --repack "$repack" \
         "${place_args[@]}" "${DEV_ARGS[@]}" --moe-route-replay "$TRACE" \
@@ -225,6 +231,7 @@ set -- $SLOTS
 S_MID=${2:-$1}
 run host tg 0 host 0
 run "cache-$S_MID" tg "$S_MID" cache 0
+run "pool-$S_MID" tg "$S_MID" pool 0
 run vram tg 0 vram 0
 for s in $SLOTS; do [ "$s" != "$S_MID" ] && run "cache-$s" tg "$s" cache 0; done
 run host pp 0 host 0

@@ -16,7 +16,9 @@
 #    kernels on the two sides, so not bit-identical), and the summary line must show hits; the same
 #    again with GGML_CUDA_DISABLE_FUSION=1 (slots "8-nofusion"), since b11434's CUDA backend fuses a
 #    routed MUL_MAT_ID + GLU with a shared expert of the same shape (qwen35moe), and reorders the
-#    graph's nodes for it, which the cache's device chain can now match.
+#    graph's nodes for it, which the cache's device chain can now match; and the pool (slots "pool":
+#    --moe-expert-cache-mb at the MiB the 8 slots per layer took, one bank of P + S + 1 slots per
+#    projection that every layer's MUL_MAT_ID reads), under the same limits.
 # Results: $OUT (or build/device-out) / summary.txt, e2e.csv and logs.tar.gz (every log and table;
 # the device tool brings back at most 8 files). Bulky files (models, logits) stay in $WORK.
 set -uo pipefail
@@ -82,10 +84,15 @@ done
 echo "arch,slots,rc,tokens_equal,nmse,hit_pct" > "$WORK/e2e.csv"
 for M in "$WORK"/tiny-*.gguf; do
     arch=$(basename "$M" .gguf); arch=${arch#tiny-}
-    for slots in 0 8 8-nofusion; do
+    for slots in 0 8 8-nofusion pool; do
         fuse=(); [ "$slots" = 8-nofusion ] && fuse=(GGML_CUDA_DISABLE_FUSION=1)
+        cache=(--moe-expert-cache "${slots%%-*}")
+        if [ "$slots" = pool ]; then  # the MiB the 8 slots per layer took on CUDA0 (the preamble's budget_mib), as a pool
+            mib=$(grep -ho "budget_mib=[^ ]*" "$WORK/run-$arch-8.log" "$WORK/tokens-$arch-8.txt" | head -1 | sed 's/.*://; s/\..*//')
+            cache=(--moe-expert-cache-mb $(( ${mib:-0} + 1 )))
+        fi
         env "${fuse[@]}" timeout 120 "$BIN/pybmoe-logits" --logits-out "$WORK/logits-$arch-$slots.bin" -m "$M" -p "The quick brown fox" -n 48 \
-            -ngl 99 --cpu-moe --fit off --moe-expert-cache "${slots%%-*}" > "$WORK/tokens-$arch-$slots.txt" 2> "$WORK/run-$arch-$slots.log"
+            -ngl 99 --cpu-moe --fit off "${cache[@]}" > "$WORK/tokens-$arch-$slots.txt" 2> "$WORK/run-$arch-$slots.log"
         rc=$?
         [ "$slots" = 0 ] && continue
         same=no; cmp -s <(grep '^token' "$WORK/tokens-$arch-0.txt") <(grep '^token' "$WORK/tokens-$arch-$slots.txt") && same=yes

@@ -1,8 +1,11 @@
 // pybmoe-test-residency: drives llama-moe-residency.{h,cpp} over a routing trace exactly as the VRAM
 // tier does, and prints its hit or miss per lookup, so that a test can hold it against
-// pybmoe.routing.sim (layer-lru) event for event (tests/routing/test_residency.py).
+// pybmoe.routing.sim (layer-lru, or pool) event for event (tests/routing/test_residency.py).
 //
-//   pybmoe-test-residency TRACE.csv N_EXPERT TOP_K SLOTS INSERTS MAX_BATCH
+//   pybmoe-test-residency TRACE.csv N_EXPERT TOP_K SLOTS INSERTS MAX_BATCH [ADMIT_WINDOW [POOL]]
+//
+// POOL >= 0: every layer of the trace is one bank of POOL resident slots (the pool, SLOTS unused) with
+// llama_moe_pool_stage_slots staging slots; -1 (the default): SLOTS per layer.
 //
 // TRACE.csv: the engine's trace format (workload,phase,ubatch,token,layer,rank,expert[,hit]; lines
 // starting with '#' and the header are skipped). Per workload (a cold start each), ubatch by ubatch
@@ -34,22 +37,24 @@ struct row {
 };
 
 static int usage(const char * why) {
-    fprintf(stderr, "pybmoe-test-residency: %s\nusage: pybmoe-test-residency TRACE.csv N_EXPERT TOP_K SLOTS INSERTS MAX_BATCH [ADMIT_WINDOW]\n", why);
+    fprintf(stderr, "pybmoe-test-residency: %s\nusage: pybmoe-test-residency TRACE.csv N_EXPERT TOP_K SLOTS INSERTS MAX_BATCH [ADMIT_WINDOW [POOL]]\n", why);
     return 2;
 }
 
 int main(int argc, char ** argv) {
-    if (argc != 7 && argc != 8) {
-        return usage("expected 6 or 7 arguments");
+    if (argc < 7 || argc > 9) {
+        return usage("expected 6 to 8 arguments");
     }
     const int32_t n_expert  = atoi(argv[2]);
     const int32_t n_used    = atoi(argv[3]);
     const int32_t n_slots   = atoi(argv[4]);
     const int32_t n_inserts = atoi(argv[5]);
     const int32_t max_batch = atoi(argv[6]);
-    const int32_t admit     = argc == 8 ? atoi(argv[7]) : 0; // the admission window, steps (0 = always)
-    if (n_expert <= 0 || n_used <= 0 || n_slots < 0 || n_slots > n_expert || n_inserts < 0 || max_batch < 1 || admit < 0) {
-        return usage("bad N_EXPERT, TOP_K, SLOTS, INSERTS, MAX_BATCH or ADMIT_WINDOW");
+    const int32_t admit     = argc >= 8 ? atoi(argv[7]) : 0; // the admission window, steps (0 = always)
+    const int32_t n_pool    = argc >= 9 ? atoi(argv[8]) : -1;
+    if (n_expert <= 0 || n_used <= 0 || n_slots < 0 || n_slots > n_expert || n_inserts < 0 || max_batch < 1 || admit < 0 ||
+        n_pool < -1) {
+        return usage("bad N_EXPERT, TOP_K, SLOTS, INSERTS, MAX_BATCH, ADMIT_WINDOW or POOL");
     }
     FILE * f = fopen(argv[1], "rb");
     if (f == nullptr) {
@@ -107,7 +112,10 @@ int main(int argc, char ** argv) {
     for (size_t i = 0; i < layers.size(); ++i) {
         ir_of[layers[i]] = (int32_t) i;
     }
-    const int32_t n_stage = llama_moe_stage_slots(n_expert, n_used, n_slots, n_inserts, max_batch);
+    const int32_t n_layer = (int32_t) layers.size();
+    const int32_t n_bank  = n_pool < 0 ? 0 : std::min(n_pool, n_layer * n_expert);
+    const int32_t n_stage = n_pool < 0 ? llama_moe_stage_slots(n_expert, n_used, n_slots, n_inserts, max_batch)
+                                       : llama_moe_pool_stage_slots(n_layer, n_expert, n_used, n_bank);
 
     std::vector<int8_t> out(rows.size(), -1);
     uint64_t n_moves = 0, n_steps = 0;
@@ -128,12 +136,16 @@ int main(int argc, char ** argv) {
             res = {};
             res.n_inserts = n_inserts;
             res.admit_window = admit;
+            std::vector<int32_t> ils;
             for (size_t i = 0; i < layers.size(); ++i) {
-                res.add_layer(n_expert, n_slots, n_stage);
+                ils.push_back(n_pool < 0 ? res.add_layer(n_expert, n_slots, n_stage) : res.add_layer(n_expert, 0, 0));
+            }
+            if (n_pool >= 0) {
+                res.add_bank(ils, n_bank, n_stage, n_used);
             }
             cur_wl = r0.workload;
         }
-        const bool served = n_slots > 0 && (int64_t) tokens.size() <= max_batch;
+        const bool served = (n_pool < 0 ? n_slots : n_bank) > 0 && (int64_t) tokens.size() <= max_batch;
         std::vector<bool> looked(layers.size(), false);
         for (size_t i = b; i < e; ) {
             const int32_t il = rows[order[i]].layer;

@@ -5,7 +5,9 @@ real shape under route replay, and leaves in its output folder:
 
 - ``runs.tsv``: one line per run: ``point``, ``mode`` (``pp`` | ``tg``), ``slots``,
   ``placement`` (``host``: experts in host memory, cache off; ``cache``: host experts with the
-  cache; ``vram``: every expert on the device), ``repack`` (0 | 1), ``rc``, ``wall_s``;
+  cache, ``slots`` per layer; ``pool``: the same MiB as ``cache`` at those ``slots``, as one pool
+  per device (``--moe-expert-cache-mb``); ``vram``: every expert on the device), ``repack``
+  (0 | 1), ``rc``, ``wall_s``;
 - ``runs/POINT_MODE.csv`` (llama-bench's CSV row, ``-r N``: ``avg_ts`` / ``stddev_ts`` tok/s) and
   ``runs/POINT_MODE.log`` (its stderr with ``-v``: the load log and the cache's lines);
 - ``bw.txt``: the line of ``pybmoe-bw`` (GB/s, 1e9 bytes per second);
@@ -60,7 +62,8 @@ import pandas as pd
 
 from .. import engine
 
-PLACEMENTS = ("host", "cache", "vram")
+PLACEMENTS = ("host", "cache", "pool", "vram")
+CACHED = ("cache", "pool")  # placements with the VRAM tier on
 #: Columns of device-bench.csv, in order (llama-bench's own columns follow).
 COLUMNS = ("point", "mode", "placement", "slots", "repack", "rc", "wall_s", "n_prompt", "n_gen", "n_ubatch",
            "n_threads", "avg_ts", "stddev_ts", "hit_pct", "uploads", "upload_mib", "steps", "resident_mib",
@@ -120,7 +123,7 @@ def read_runs(folder: str | Path) -> pd.DataFrame:
         reason = overflow_reason(log) if log else None
         row = dict(bench)
         row.update(r)
-        cache_on = r["placement"] == "cache"
+        cache_on = r["placement"] in CACHED
         row.update(hit_pct=rec["hit_pct"] if cache_on else np.nan,
                    uploads=rec["uploads"] if cache_on else 0,
                    upload_mib=rec["upload_mib"] if cache_on else 0.0,
@@ -161,7 +164,7 @@ def bandwidth_model(runs: pd.DataFrame, bw: dict[str, float], synth: dict[str, i
             miss, hit = (1 - h) * tok, h * tok
             ms = 1e3 * (miss / (host * 1e9) + (hit + dense) / (hbm * 1e9))
             steps = r.get("steps")
-            per_tok_up = (r["upload_mib"] * 2**20 / steps) if (p == "cache" and steps and steps > 0) else 0.0
+            per_tok_up = (r["upload_mib"] * 2**20 / steps) if (p in CACHED and steps and steps > 0) else 0.0
             up_ms = 1e3 * per_tok_up / (h2d * 1e9)
             r.update(miss_bytes=miss, hit_bytes=hit, model_ms=ms, model_ts=1e3 / ms, upload_ms=up_ms,
                      model_serial_ms=ms + up_ms)
@@ -176,7 +179,7 @@ def bandwidth_model(runs: pd.DataFrame, bw: dict[str, float], synth: dict[str, i
         out.append(r)
     res = pd.DataFrame(out)
     # drawing and reading order: tg then pp; host, host-repack, the cache by slots, vram
-    rank = res["placement"].map({"host": 0, "cache": 1, "vram": 2})
+    rank = res["placement"].map({"host": 0, "cache": 1, "pool": 2, "vram": 3})
     res = (res.assign(_m=res["mode"].map({"tg": 0, "pp": 1}), _p=rank, _r=res["repack"])
               .sort_values(["_m", "_p", "slots", "_r"], kind="stable").drop(columns=["_m", "_p", "_r"])
               .reset_index(drop=True))

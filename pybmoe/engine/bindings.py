@@ -107,6 +107,22 @@ class MoeCacheStatsC(ctypes.Structure):
     ]
 
 
+class MoeCacheDeviceStatsC(ctypes.Structure):
+    """Mirror of ``struct llama_moe_cache_device_stats`` (ggml-ext/llama-moe.h)."""
+
+    _fields_ = [
+        ("name", ctypes.c_char * 128),
+        ("n_slots", ctypes.c_int64),
+        ("alloc_bytes", ctypes.c_uint64),
+        ("n_banks", ctypes.c_int32),
+        ("n_layers", ctypes.c_int32),
+        ("n_resident", ctypes.c_int64),
+        ("n_slots_now", ctypes.c_int64),
+        ("hits", ctypes.c_uint64),
+        ("misses", ctypes.c_uint64),
+    ]
+
+
 class MoeStreamStatsC(ctypes.Structure):
     """Mirror of ``struct llama_moe_stream_stats`` (ggml-ext/llama-moe.h)."""
 
@@ -227,6 +243,28 @@ class _Override(ctypes.Structure):
 
 
 @dataclass(frozen=True)
+class MoeCacheDeviceStats:
+    """One device's share of the expert cache (``MoeCacheStats.devices``).
+
+    name: its buffer type (e.g. ``CUDA0``, ``RPC0[127.0.0.1:50052]``); slots: resident slots
+    allocated at load over its layers (slots per layer x layers, or the pool's); slots_now: the same
+    now (``set_moe_cache_slots`` changes it); allocated_mib: MiB of its companions; banks: the pool's
+    banks there (its layers of one expert shape share one; 0: slots per layer); n_layers: cached
+    layers on it; resident: experts resident now; hits / misses: lookups of its layers.
+    """
+
+    name: str
+    slots: int
+    slots_now: int
+    allocated_mib: float
+    banks: int
+    n_layers: int
+    resident: int
+    hits: int
+    misses: int
+
+
+@dataclass(frozen=True)
 class MoeCacheStats:
     """The expert cache's counters (cumulative over the model's life).
 
@@ -245,7 +283,8 @@ class MoeCacheStats:
     served step by the widest cached layer / by all cached layers (the BigMoeOnEdge seed's
     layer_demand_MiB and token_demand_MiB); admit_window: the second-miss window in steps (0 =
     admit always); bypassed: misses the second-miss rule did not upload. These are the fields of the
-    engine's ``moe-cache:`` summary line (which ``verbose=False`` does not print).
+    engine's ``moe-cache:`` summary line (which ``verbose=False`` does not print). devices: each
+    device's share (:class:`MoeCacheDeviceStats`: its slots or pool, resident experts, hits, misses).
     """
 
     hits: int
@@ -275,6 +314,7 @@ class MoeCacheStats:
     token_demand_mib: float = 0.0
     admit_window: int = 0
     bypassed: int = 0
+    devices: tuple["MoeCacheDeviceStats", ...] = ()
 
     @property
     def upload_gbps(self) -> float:
@@ -305,6 +345,11 @@ def _llama_lib() -> ctypes.CDLL:
         lib.llama_model_moe_cache_set_slots.restype = ctypes.c_int32
         lib.llama_model_moe_cache_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeCacheStatsC)]
         lib.llama_model_moe_cache_get_stats.restype = ctypes.c_bool
+        lib.llama_model_moe_cache_n_devices.argtypes = [ctypes.c_void_p]
+        lib.llama_model_moe_cache_n_devices.restype = ctypes.c_int32
+        lib.llama_model_moe_cache_get_device_stats.argtypes = [ctypes.c_void_p, ctypes.c_int32,
+                                                               ctypes.POINTER(MoeCacheDeviceStatsC)]
+        lib.llama_model_moe_cache_get_device_stats.restype = ctypes.c_bool
         lib.llama_model_moe_stream_set_budget_mib.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.llama_model_moe_stream_set_budget_mib.restype = ctypes.c_int32
         lib.llama_model_moe_stream_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(MoeStreamStatsC)]
@@ -1070,7 +1115,18 @@ class Llama(llama_cpp.Llama):
                              st.n_expert_used, bool(st.sync), st.upload_wait_us / 1e6, st.n_h2d, st.n_waits,
                              st.upload_file_bytes / mib, st.upload_busy_us / 1e6, st.n_publish, st.warmup_uploads,
                              st.warmup, st.n_syncs, st.n_step_moves, st.layer_demand_mib, st.token_demand_mib,
-                             st.admit_window, st.n_bypassed)
+                             st.admit_window, st.n_bypassed, self._moe_cache_devices())
+
+    def _moe_cache_devices(self) -> tuple[MoeCacheDeviceStats, ...]:
+        lib = _llama_lib()
+        out = []
+        for i in range(lib.llama_model_moe_cache_n_devices(self._model.model)):
+            d = MoeCacheDeviceStatsC()
+            if lib.llama_model_moe_cache_get_device_stats(self._model.model, i, ctypes.byref(d)):
+                out.append(MoeCacheDeviceStats(d.name.decode(errors="replace"), d.n_slots, d.n_slots_now,
+                                               d.alloc_bytes / 1024.0 / 1024.0, d.n_banks, d.n_layers, d.n_resident,
+                                               d.hits, d.misses))
+        return tuple(out)
 
     def moe_stream_stats(self) -> MoeStreamStats:
         """The stream tier's counters. Raises ValueError when the tier is off."""

@@ -1016,13 +1016,25 @@ def misses_per_token(trace: tr.Trace | Replay, slots_per_layer: Sequence[int], b
 
 def engine_replay(trace: tr.Trace | Replay, *, slots_per_layer: int | None = None, inserts: int | None = None,
                   max_batch: int | None = None, backend: str = "auto") -> SimResult:
-    """The layer-lru replay of an engine trace with the engine's own settings (the header's
-    ``slots``, ``inserts``, ``max_batch`` and ``admit`` — the admission window in steps, absent for
-    ``always`` — unless given). Raises :class:`BudgetError` when the slots are unknown, ``ValueError``
-    for an ``admit=`` that is not a whole number of steps >= 1."""
+    """The replay of an engine trace with the engine's own settings (the header's ``slots``,
+    ``inserts``, ``max_batch``, ``admit`` — the admission window in steps, absent for ``always`` —
+    and ``pool``, unless given).
+
+    Without ``pool=`` it is the layer-lru replay (slots per layer). With ``pool=P:il,il,.../...`` (the
+    engine sized in MiB: one bank per device and expert shape, :func:`parse_pool`) each bank is
+    replayed on its own, policy ``pool`` with ``budget_entries=P`` over its layers, and the
+    predictions are put back in the trace's row order; the summary sums the banks per workload.
+
+    Raises :class:`BudgetError` when the slots are unknown, :class:`PolicyError` for a pool trace
+    with an insert cap or an admission window (the pool is replayed without them), ``ValueError``
+    for an ``admit=`` that is not a whole number of steps >= 1 or a malformed ``pool=``."""
     rp = prepare(trace)
     if max_batch is None:  # the engine writes max_batch= in the trace header
         max_batch = int(rp.trace.meta.extra.get("max_batch", 1))
+    pool = rp.trace.meta.extra.get("pool")
+    if pool is not None and slots_per_layer is None:
+        return _engine_replay_pool(rp, parse_pool(pool), max_batch, backend,
+                                   rp.trace.meta.inserts if inserts is None else inserts)
     slots = slots_per_layer if slots_per_layer is not None else rp.trace.meta.slots
     if slots is None:
         raise BudgetError("the trace header has no slots= (captured without the cache?); accepted: slots_per_layer=N")
@@ -1038,6 +1050,66 @@ def engine_replay(trace: tr.Trace | Replay, *, slots_per_layer: int | None = Non
         admit = {"admit": "second-miss", "admit_window": w}
     return simulate(rp, "layer-lru", slots_per_layer=slots, inserts=inserts, phase="all", max_batch=max_batch,
                     backend=backend, **admit)
+
+
+def parse_pool(value: str) -> list[tuple[int, list[int]]]:
+    """The banks of an engine trace's ``pool=`` header value, ``P:il,il,.../P:il,...``: each bank's
+    resident slots (entries) and its model layers in forward order. Raises ``ValueError`` when the
+    value is not of that form."""
+    banks = []
+    for part in str(value).split("/"):
+        p, sep, layers = part.partition(":")
+        try:
+            ils = [int(x) for x in layers.split(",")]
+            entries = int(p)
+        except ValueError:
+            ils, entries = [], -1
+        if not sep or not ils or entries < 0:
+            raise ValueError(f"the trace header's pool={value!r}: expected P:il,il,.../P:il,... (slots, layers)")
+        banks.append((entries, ils))
+    return banks
+
+
+def _engine_replay_pool(rp: Replay, banks: list[tuple[int, list[int]]], max_batch: int, backend: str,
+                        inserts: int | None) -> SimResult:
+    meta = rp.trace.meta
+    if inserts or meta.extra.get("admit") is not None:
+        raise PolicyError(f"the pool is replayed without an insert cap or an admission window; the trace has "
+                          f"inserts={inserts} admit={meta.extra.get('admit')}")
+    f = rp.trace.frame
+    lay = f["layer"].to_numpy()
+    predicted = np.full(len(f), -1, dtype=np.int8)
+    counted = np.zeros(len(f), dtype=bool)
+    parts = []
+    _, ub_idx, ub_tokens = rp.ubatches()
+    for entries, ils in banks:
+        rows = np.isin(lay, ils)
+        if not rows.any():
+            continue
+        sub = Replay(tr.Trace(f.loc[rows].reset_index(drop=True), meta, rp.trace.source))
+        # a ubatch is served by its token count over every layer, not the bank's rows (the last layer of a
+        # prompt ubatch routes only its output row, and the engine's graph served none of it)
+        uniq, inv = np.unique(ub_idx[rows], return_inverse=True)
+        first = np.empty(len(uniq), dtype=np.int64)
+        first[inv[::-1]] = np.arange(len(inv))[::-1]
+        sub._cache["ub"] = (sub.wl[first], inv.astype(np.int64), ub_tokens[uniq])
+        r = simulate(sub, "pool", budget_entries=entries, phase="all", max_batch=max_batch, backend=backend)
+        predicted[rows] = r.predicted
+        counted[rows] = r.counted
+        parts.append(r.summary)
+    entries = sum(e for e, _ in banks)
+    n_layers = sum(len(ils) for _, ils in banks)
+    if parts:
+        s = pd.concat(parts).groupby("workload", sort=False, as_index=False).agg(
+            {c: ("sum" if c in ("accesses", "hits", "misses", "uploads", "wasted") else "first")
+             for c in SUMMARY_COLUMNS if c != "workload"})
+        s["budget_entries"] = entries
+        s["slots_per_layer"] = entries / n_layers
+        s["hit_rate"] = (s["hits"] / s["accesses"].where(s["accesses"] > 0)).fillna(0.0)
+        summary = s[list(SUMMARY_COLUMNS)]
+    else:
+        summary = pd.DataFrame(columns=list(SUMMARY_COLUMNS))
+    return SimResult("pool", "all", entries, entries / max(n_layers, 1), None, max_batch, predicted, counted, summary)
 
 
 def compare_with_engine(trace: tr.Trace | Replay, result: SimResult) -> pd.DataFrame:

@@ -94,9 +94,10 @@ def test_pybmoe_own_bindings_match_llama_moe_h():
     structs = [abi.Struct("llama_moe_cache_stats", bindings.MoeCacheStatsC),
                abi.Struct("llama_moe_stream_stats", bindings.MoeStreamStatsC),
                abi.Struct("llama_moe_params", bindings.MoeParamsC),
-               abi.Struct("llama_moe_apply_report", bindings.MoeApplyReportC)]
+               abi.Struct("llama_moe_apply_report", bindings.MoeApplyReportC),
+               abi.Struct("llama_moe_cache_device_stats", bindings.MoeCacheDeviceStatsC)]
     rep = _check(fns, structs, lc, ROOT / "ggml-ext" / "llama-moe.h")
-    assert rep.functions == len(fns) and rep.structs == 4
+    assert rep.functions == len(fns) and rep.structs == 5
     assert rep.ok, "\n".join(map(str, rep.mismatches))
 
 

@@ -1,8 +1,9 @@
 """The expert cache sized in MiB per device (issue 42): ``--moe-expert-cache-mb N``, upstream's spelling
-``--moe-cache-mib N`` and their env twins are one option and give the same residency as the slots per
-layer they resolve to; a budget the device cannot hold, or one under a slot per layer, is refused in one
-line naming the range that fits; a count that is not one is refused naming the range; the bindings speak
-the same unit.
+``--moe-cache-mib N`` and their env twins are one option and give the same residency (the pool the MiB
+hold: the bytes of the most slots per layer that fit, as one bank; tests/engine/test_cache_pool.py holds
+the pool itself); a budget the device cannot hold, or one under a slot per layer, is refused in one line
+naming the range that fits; a count that is not one is refused naming the range; the bindings speak the
+same unit.
 
 The loopback RPC server is the device (its free memory is its host's); sync mode makes the hits and
 misses a function of the routing, so two runs that hold the same slots count the same."""
@@ -18,6 +19,7 @@ import pytest
 from pybmoe import engine, models
 
 MIB_LINE = re.compile(r"moe-cache: (\d+) MiB on (\S+) -> (\d+) slots/layer for (\d+) layers \(([\d.]+) MiB per slot")
+POOL_LINE = re.compile(r"in (\S+): one pool of (\d+) slots over \(layer, expert\)")
 
 
 def _logits(model, rpc, tmp_path, extra, env=None, name="l.bin"):
@@ -69,11 +71,20 @@ def test_the_mib_flag_upstreams_spelling_and_their_env_twins_give_the_same_resid
     # the most slots that fit: s's slots, staging and zero slot fit the MiB, one more would not
     fits = lambda c: (c + min(spec.n_expert_used, spec.n_expert - c) + 1) * per_slot  # noqa: E731
     assert 3 <= s < spec.n_expert and fits(s) <= mib + 0.01 and fits(s + 1) > mib - 0.01, (s, mib, per_slot)
-    # the same slots as --moe-expert-cache s, so the same residency: every lookup hits or misses alike
-    r, log, out = _logits(model_q8, rpc, tmp_path, ["--moe-expert-cache", str(s)], name="fixed.bin")
+    # one pool in those bytes: its slots, staging (top-k per layer) and one zero slot
+    pools = {int(POOL_LINE.search(log).group(2)) for _, log, _ in runs.values()}
+    assert len(pools) == 1, pools
+    P = pools.pop()
+    n, k = spec.n_layer, min(spec.n_expert_used, spec.n_expert)
+    room = n * (s + min(spec.n_expert_used, spec.n_expert - s) + 1)
+    phys = lambda c: c + min(n * k, n * spec.n_expert - c) + 1  # noqa: E731  (slots, staging, zero)
+    assert phys(P) <= room and (P == n * spec.n_expert or phys(P + 1) > room), (P, room)
+    # the same residency for every spelling, and the logits of the cache off
+    r, log, out = _logits(model_q8, rpc, tmp_path, [], name="off.bin")
     assert r.returncode == 0, log[-2000:]
+    first = _residency(runs["--moe-expert-cache-mb"][1])
     for how, (_, log2, out2) in runs.items():
-        assert _residency(log2) == _residency(log), (how, _residency(log2), _residency(log))
+        assert _residency(log2) == first, (how, _residency(log2), first)
         assert out2.read_bytes() == out.read_bytes(), how
 
 
@@ -124,11 +135,12 @@ def test_the_bindings_take_mib_too(model_q8, rpc, tmp_path):
     mib, _ = _budget_for_3_slots(model_q8, rpc, tmp_path)
     r, log, _ = _logits(model_q8, rpc, tmp_path, ["--moe-cache-mib", str(mib)])
     assert r.returncode == 0, log[-2000:]
-    s = int(MIB_LINE.search(log).group(3))
+    P = int(POOL_LINE.search(log).group(2))
     kw = dict(rpc_servers=rpc.endpoint, n_gpu_layers=99, cpu_moe=True, repack=False, verbose=False, n_ctx=256)
     llm = bindings.Llama(model_q8, moe_expert_cache_mb=mib, **kw)
     try:
-        assert llm._moe_plan.slots_allocated == s
+        assert llm._moe_plan.slots_allocated == P // models.read_spec(model_q8).n_layer  # the pool's share per layer
+        assert llm.moe_cache_stats().devices[0].slots == P
     finally:
         llm.close()
     with pytest.raises(ValueError, match="mutually exclusive: give one"):
@@ -138,8 +150,8 @@ def test_the_bindings_take_mib_too(model_q8, rpc, tmp_path):
 
 
 def test_llama_server_takes_upstreams_spelling(model_q8, rpc, tmp_path):
-    """`llama-server --moe-cache-mib N` holds the slots --moe-expert-cache-mb N resolves to (the same
-    line, the same slots on /metrics) and /props gives the MiB as asked."""
+    """`llama-server --moe-cache-mib N` holds the pool --moe-expert-cache-mb N resolves to (the same
+    lines, the same slots on /metrics) and /props gives the MiB as asked."""
     import json
 
     from pybmoe.engine import demo
@@ -148,6 +160,7 @@ def test_llama_server_takes_upstreams_spelling(model_q8, rpc, tmp_path):
     r, log, _ = _logits(model_q8, rpc, tmp_path, ["--moe-expert-cache-mb", str(mib)])
     assert r.returncode == 0, log[-2000:]
     s = int(MIB_LINE.search(log).group(3))
+    P = int(POOL_LINE.search(log).group(2))
     srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 0, 0, ["--moe-cache-mib", str(mib), "--metrics"]))
     with srv:
         srv.completion("Hello there", n_predict=4)
@@ -155,6 +168,7 @@ def test_llama_server_takes_upstreams_spelling(model_q8, rpc, tmp_path):
     slog = srv.stop()
     m = MIB_LINE.search(slog)
     assert m and int(m.group(1)) == mib and int(m.group(3)) == s, slog[-2000:]
+    assert int(POOL_LINE.search(slog).group(2)) == P
     slots = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith('llamacpp:moe_cache_slots{device="RPC')]
-    assert slots == [s * spec.n_layer]
+    assert slots == [P] and P >= s * spec.n_layer
     assert props["moe_expert_cache"]["mib"] == mib and props["moe_expert_cache"]["slots"] == 0

@@ -25,9 +25,9 @@ def granite_csv(granite, tmp_path_factory):
 
 
 def _engine_bookkeeping(path, meta, slots: int, inserts: int, max_batch: int,
-                        admit_window: int = 0) -> tuple[np.ndarray, dict[str, int]]:
+                        admit_window: int = 0, pool: int = -1) -> tuple[np.ndarray, dict[str, int]]:
     r = subprocess.run([str(engine.find_binary("pybmoe-test-residency")), str(path), str(meta.n_expert),
-                        str(meta.n_expert_used), str(slots), str(inserts), str(max_batch), str(admit_window)],
+                        str(meta.n_expert_used), str(slots), str(inserts), str(max_batch), str(admit_window), str(pool)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -71,6 +71,24 @@ def test_second_miss_admission_equals_the_simulator(granite, granite_csv, slots,
     assert counts["moves"] == int(want.summary["uploads"].sum())
     _, always = _engine_bookkeeping(granite_csv, granite.meta, slots, inserts, max_batch, 0)
     assert counts["moves"] < always["moves"]
+
+
+@pytest.mark.parametrize("entries,max_batch", [
+    (24, 1),    # one slot per layer: under the floor's reach (f = 0)
+    (96, 1),    # half the cache cycle (24 layers x top-8 = 192)
+    (192, 1),   # the cycle
+    (384, 1), (600, 1), (768, 1),   # half of all entries, and the whole model
+    (192, 4), (384, 64),            # multi-token steps; 64 serves the prefills too
+])
+def test_the_engines_pool_equals_the_simulator_event_for_event(granite, granite_csv, entries, max_batch):
+    """The pool (one bank over every layer, llama_moe_residency::add_bank) against the simulator's
+    policy "pool" (floor-half-k, the engine's lag): every lookup and the upload count agree."""
+    got, counts = _engine_bookkeeping(granite_csv, granite.meta, 0, 0, max_batch, 0, pool=entries)
+    want = sim.simulate(granite, "pool", budget_entries=entries, max_batch=max_batch, phase="all")
+    bad = np.flatnonzero(got != want.predicted)
+    assert bad.size == 0, f"{bad.size} lookups differ, first at row {bad[:5].tolist()}"
+    assert counts["moves"] == int(want.summary["uploads"].sum())
+    assert counts["hits"] == int((want.predicted == 1).sum()) > 0 and counts["misses"] > 0
 
 
 def test_a_bad_trace_is_refused_with_its_line(tmp_path):
