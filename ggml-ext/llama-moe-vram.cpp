@@ -318,23 +318,55 @@ void llama_moe_vram::get_stats(llama_moe_cache_stats & out) const {
     out.n_bypassed        = res.n_bypassed;
 }
 
+void llama_moe_vram::get_device_stats(size_t i, llama_moe_cache_device_stats & out) const {
+    const auto & d = devices.at(i);
+    out = {};
+    snprintf(out.name, sizeof(out.name), "%s", d.name.c_str());
+    out.n_slots     = d.slots;
+    out.alloc_bytes = d.bytes;
+    out.n_banks     = d.n_banks;
+    out.n_layers    = (int32_t) d.n_layers;
+    for (size_t li = d.first; li < d.first + d.n_layers; ++li) {
+        const auto & r = res.layers[layers[li].ir];
+        out.n_resident  += r.n_resident;
+        out.hits        += r.hits;
+        out.misses      += r.misses;
+        out.n_slots_now += r.bank < 0 ? r.n_slots : 0;
+    }
+    for (const auto & bk : res.banks) {
+        const size_t li = (size_t) layer_of_ir(bk.layers[0]);
+        out.n_slots_now += li >= d.first && li < d.first + d.n_layers ? bk.n_slots : 0;
+    }
+}
+
 void llama_moe_vram::print_summary() const {
     llama_moe_cache_stats st;
     get_stats(st);
     const uint64_t n = st.hits + st.misses;
+    // the pool: each device's slots, residents and hit rate
+    std::string pools;
+    for (size_t i = 0; i < devices.size(); ++i) {
+        llama_moe_cache_device_stats d;
+        get_device_stats(i, d);
+        if (d.n_banks > 0) {
+            const uint64_t nd = d.hits + d.misses;
+            pools += format(", pool %s: %lld slots, %lld resident, %.1f%% hit", d.name, (long long) d.n_slots_now,
+                    (long long) d.n_resident, nd ? 100.0*d.hits/nd : 0.0);
+        }
+    }
     // note: level NONE, so the line shows at the default verbosity, like the tools' own output
     // upload wait: time steps spent waiting for uploads; h2d: host-to-device calls; waits: blocking
     // waits; upload GB/s: the uploader's own rate while copying
     LLAMA_LOG("moe-cache: %.1f%% hit, resident %.1f MiB, uploads %llu (%.1f MiB), layer_demand %.2f MiB, "
             "token_demand %.2f MiB, steps %llu, upload wait %.1f ms, h2d %llu (%llu publishes), waits %llu, "
-            "upload %.2f GB/s, file %.1f MiB, %s, warmup %llu%s\n",
+            "upload %.2f GB/s, file %.1f MiB, %s, warmup %llu%s%s\n",
             n ? 100.0*st.hits/n : 0.0, st.resident_bytes/1024.0/1024.0,
             (unsigned long long) st.uploads, st.upload_bytes/1024.0/1024.0, st.layer_demand_mib, st.token_demand_mib,
             (unsigned long long) st.n_steps, st.upload_wait_us/1000.0, (unsigned long long) st.n_h2d,
             (unsigned long long) st.n_publish, (unsigned long long) st.n_waits, st.upload_busy_us ? st.upload_bytes/1e3/st.upload_busy_us : 0.0,
             st.upload_file_bytes/1024.0/1024.0, sync ? "sync" : "async", (unsigned long long) st.warmup_uploads,
             st.admit_window > 0 ? format(", admit second-miss:%d (%llu misses not admitted)", st.admit_window,
-                                         (unsigned long long) st.n_bypassed).c_str() : "");
+                                         (unsigned long long) st.n_bypassed).c_str() : "", pools.c_str());
 }
 
 //
@@ -380,25 +412,7 @@ bool llama_model_moe_cache_get_device_stats(const llama_model * model, int32_t i
         return false;
     }
     std::lock_guard<std::mutex> lock(mc->mutex);
-    const auto & vram = mc->vram;
-    const auto & d = vram.devices[i];
-    *out = {};
-    snprintf(out->name, sizeof(out->name), "%s", d.name.c_str());
-    out->n_slots     = d.slots;
-    out->alloc_bytes = d.bytes;
-    out->n_banks     = d.n_banks;
-    out->n_layers    = (int32_t) d.n_layers;
-    for (size_t li = d.first; li < d.first + d.n_layers; ++li) {
-        const auto & r = vram.res.layers[vram.layers[li].ir];
-        out->n_resident += r.n_resident;
-        out->hits       += r.hits;
-        out->misses     += r.misses;
-        out->n_slots_now += r.bank < 0 ? r.n_slots : 0;
-    }
-    for (const auto & bk : vram.res.banks) {
-        const size_t li = (size_t) vram.layer_of_ir(bk.layers[0]);
-        out->n_slots_now += li >= d.first && li < d.first + d.n_layers ? bk.n_slots : 0;
-    }
+    mc->vram.get_device_stats((size_t) i, *out);
     return true;
 }
 

@@ -41,6 +41,7 @@
 struct ggml_tensor;
 struct llama_layer;
 struct llama_moe_cache_stats;
+struct llama_moe_cache_device_stats;
 
 
 // the per-expert biases of a cached layer (add_id with the original ids): up, gate or fused gate_up,
@@ -189,7 +190,11 @@ struct llama_moe_vram : llama_moe_device_residents {
 
     void get_stats(llama_moe_cache_stats & out) const;
 
-    // the teardown line: "moe-cache: <hit>% hit, resident <X> MiB, uploads <n> (<Y> MiB), ..."
+    // device i's share: its slots (or pool), residents, hits and misses (llama_model_moe_cache_get_device_stats)
+    void get_device_stats(size_t i, llama_moe_cache_device_stats & out) const;
+
+    // the teardown line: "moe-cache: <hit>% hit, resident <X> MiB, uploads <n> (<Y> MiB), ..."; with the pool
+    // it ends with each device's: ", pool <device>: <P> slots, <R> resident, <h>% hit"
     void print_summary() const;
 };
 

@@ -15,6 +15,7 @@ _SUMMARY = re.compile(r"moe-cache: ([0-9.]+)% hit, resident ([0-9.]+) MiB, uploa
                       r"(?:, upload wait ([0-9.]+) ms, h2d (\d+) \((\d+) publishes\), waits (\d+), upload ([0-9.]+) GB/s, "
                       r"file ([0-9.]+) MiB, (sync|async)(?:, warmup (\d+))?)?")
 _PREAMBLE = re.compile(r"moe-cache-preamble: (.*)$", re.M)
+_POOL = re.compile(r", pool (\S+): (\d+) slots, (\d+) resident, ([0-9.]+)% hit")
 _CLIFF = re.compile(r"moe-cache: WARNING (\d+) slots/layer is below the per-layer token cycle")
 
 
@@ -37,6 +38,7 @@ class CacheSummary:
     upload_file_mib: float | None = None   # MiB of the uploads read from the GGUF file
     sync: bool | None = None               # --moe-expert-cache-sync
     warmup_uploads: int | None = None      # uploads the prefill warm-up scheduled
+    pools: tuple[tuple[str, int, int, float], ...] = ()  # the pool per device: (device, slots, resident, hit %)
 
     def without_timings(self) -> "CacheSummary":
         """The fields a deterministic run repeats exactly: the timings (upload wait, waits, which
@@ -51,9 +53,12 @@ def parse_cache_summaries(log: str) -> list[CacheSummary]:
     for m in _SUMMARY.finditer(log):
         a, b, c, d, e, f, g, w, h, pub, n, r, fm, mode, wu = m.groups()
         opt = lambda v, t: t(v) if v else None  # noqa: E731
+        end = log.find("\n", m.end())
+        pools = tuple((dev, int(p), int(res), float(hit))
+                      for dev, p, res, hit in _POOL.findall(log[m.end():end if end >= 0 else len(log)]))
         out.append(CacheSummary(float(a), float(b), int(c), float(d), opt(e, float), opt(f, float), opt(g, int),
                                 opt(w, float), opt(h, int), opt(pub, int), opt(n, int), opt(r, float),
-                                opt(fm, float), None if mode is None else mode == "sync", opt(wu, int)))
+                                opt(fm, float), None if mode is None else mode == "sync", opt(wu, int), pools))
     return out
 
 

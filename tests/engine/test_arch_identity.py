@@ -1,6 +1,6 @@
 """The cache is exact on every MoE variant `pybmoe make-model` writes: cache-on logits are
 bit-identical to cache-off for ubatch in {1, 2, 7, 8, 9, 16, 32} x slots in {1, k-1, k, n_expert/2,
-n_expert}, and greedy n-gram speculation through the cache gives the text of no speculation and no
+n_expert} and a pool (a MiB budget) of at least top-k slots per layer, and greedy n-gram speculation through the cache gives the text of no speculation and no
 cache.
 
 The variants: qwen3moe (separate gate/up/down, SiLU), gpt-oss (per-expert biases through add_id,
@@ -12,6 +12,7 @@ variant that fell back to the stock graph cannot pass as "identical".
 """
 from __future__ import annotations
 
+import math
 import subprocess
 from pathlib import Path
 
@@ -66,6 +67,14 @@ def test_every_variant_is_bit_identical(arch_model, rpc, tmp_path, ub):
         rec = engine.cache_record(log)
         n_prompt = rec["steps"] - (N_PREDICT - 1) if n_prompt is None else n_prompt
         assert rec["steps"] - (N_PREDICT - 1) == n_prompt >= 1  # every prompt ubatch was served
+        slot_mib = rec["slot_mib"] * rec["layers"]
+    # the pool (a MiB budget): every layer's MUL_MAT_ID reads one bank, its biases stay its own
+    mib = math.ceil((k + min(k, n - k) + 1) * slot_mib)
+    on, log, layers = _run(arch_model, rpc, tmp_path, ub, ["--moe-expert-cache-mb", str(mib), "--moe-expert-cache-sync",
+                                                           "--moe-expert-cache-max-batch", str(MAX_BATCH)], "on-pool")
+    assert "one pool of" in log, log[-3000:]
+    assert on == base, f"{arch_model.name} ub={ub} pool of {mib} MiB: cache-on logits differ from cache-off"
+    assert sum(h for h, _ in layers.values()) > 0
 
 
 def test_every_variant_speculates_through_the_cache(arch_model, rpc):

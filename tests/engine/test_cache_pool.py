@@ -127,6 +127,15 @@ def test_two_devices_each_hold_a_pool_and_replay_exactly(model_q8, rpc2, spec, l
     bad = sim.compare_with_engine(t, sim.engine_replay(t))
     assert bad.empty, f"{len(bad)} lookups differ"
     assert on.logits == off.logits
+    # the summary line ends with each device's pool: its slots, residents and hit rate
+    pools = engine.parse_cache_summaries(on.log)[-1].pools
+    assert sorted((dev, p) for dev, p, _, _ in pools) == sorted((dev, p) for _, dev, p, _ in lines)
+    served = t.frame[t.frame["hit"] >= 0]
+    # the header's banks, the pool lines and the summary's pools are all in the order the devices were allocated
+    assert [(dev, p) for _, dev, p, _ in lines] == [(dev, p) for dev, p, _, _ in pools]
+    for (_, dev_layers), (dev, p, resident, hit_pct) in zip(banks, pools):
+        rows = served[served["layer"].isin(dev_layers)]
+        assert 0 < resident <= p and hit_pct == pytest.approx(100 * (rows["hit"] == 1).mean(), abs=0.06)
 
 
 @pytest.mark.parametrize("ub", [1, 2, 7, 8, 9, 16, 32])
