@@ -34,7 +34,8 @@ def test_a_failure_is_reported_and_fails_the_run():
 
 def test_sycl_reorder_skip_matches_the_slot_names():
     """SYCL reorders weights in place on first use; patch 0011 skips tensors named "*.cache", which
-    must be exactly the names the cache gives its slots (no SYCL compiler here: a contract check)."""
+    must be exactly the names the cache gives its slots, each layer's or a pool bank's (no SYCL compiler
+    here: a contract check)."""
     from pathlib import Path
     import re
     root = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ def test_sycl_reorder_skip_matches_the_slot_names():
     assert 'strcmp(t->name + n - 6, ".cache") == 0' in sycl
     assert sycl.count("ggml_sycl_tensor_is_rewritten(src0)") == 2  # MUL_MAT and MUL_MAT_ID entry points
     ext = "".join(p.read_text() for p in sorted((root / "ggml-ext").glob("llama-moe*.cpp")))
-    slot_names = re.findall(r'ggml_format_name\(l\.slots\[p\], "([^"]+)"', ext)
-    assert slot_names and all(n.endswith(".cache") for n in slot_names)
+    slot_names = re.findall(r'ggml_format_name\((?:l|ba)\.slots\[p\], "([^"]+)"', ext)
+    assert len(slot_names) == 2 and all(n.endswith(".cache") for n in slot_names)
     others = re.findall(r'ggml_format_name\([^,]+, "([^"]+)"', ext)
     assert [n for n in others if n.endswith(".cache")] == slot_names  # nothing else is skipped by accident
