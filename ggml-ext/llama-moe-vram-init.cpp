@@ -308,9 +308,10 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     const int32_t n_expert = (int32_t) hp.n_expert;
     const int32_t n_used   = (int32_t) hp.n_expert_used();
     const std::string req = is_auto ? "auto" : budget_mib > 0 ? format("%d MiB of", budget_mib) : std::to_string(n_slots);
-    // a budget in MiB per device is one pool per device (docs/expert-cache.md, "The pool"); slots per layer
-    // (fixed or auto) stay each layer's own
-    const bool pool = budget_mib > 0;
+    // a budget in MiB per device, given or auto (the free memory), is one pool per device and expert shape
+    // (docs/expert-cache.md, "The pool": chosen by simulation on every real trace); slots per layer given as a
+    // count stay each layer's own
+    const bool pool = budget_mib > 0 || is_auto;
     if (is_auto || budget_mib > 0) {
         n_slots = n_expert; // the most any device can get; each device is sized below
     } else if (n_slots > n_expert) {

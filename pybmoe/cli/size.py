@@ -55,9 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"{a.model.name}: {shape.n_layer} MoE layers x {shape.n_expert} experts, top-{shape.top_k}, "
           f"{shape.expert_bytes / sizing.MIB:.3g} MiB per expert")
-    table = rec.table if t is not None else rec.table.drop(columns="hit_rate")
+    table = rec.table if t is not None else rec.table.drop(columns=["hit_rate", "pool_hit_rate"])
     if len(table):
         print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    pool_hit = float("nan")
+    if t is not None and rec.slots_per_layer:
+        pool_hit = float(rec.table.loc[rec.table["slots_per_layer"] == rec.slots_per_layer, "pool_hit_rate"].iloc[0])
     if t is not None:
         why = f", expected hit rate {100 * rec.hit_rate:.1f}% (decode, from {a.trace.name})"
     else:
@@ -65,7 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"recommended: --moe-expert-cache {rec.slots_per_layer}"
           + (f" --moe-expert-cache-inserts {a.inserts}" if a.inserts else "")
           + f"  ({rec.device_mib:.3g} MiB on the device{why}); in MiB per device: --moe-expert-cache-mb "
-          + f"{sizing.budget_mib(rec.slots_per_layer, shape, a.inserts)}")
+          + f"{sizing.budget_mib(rec.slots_per_layer, shape, a.inserts)}"
+          + (f" (one pool of {sizing.pool_slots(rec.slots_per_layer, shape, a.inserts)} slots"
+             + (f", expected hit rate {100 * pool_hit:.1f}%)" if t is not None else ")")
+             if rec.slots_per_layer else ""))
     for w in rec.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if a.stream_mb:

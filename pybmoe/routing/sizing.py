@@ -82,6 +82,22 @@ def budget_mib(slots: int, shape: ModelShape, inserts: int = 0, max_batch: int =
     return math.ceil(_slot_bytes(slots, shape, inserts, max_batch) / MIB)
 
 
+def pool_slots(slots: int, shape: ModelShape, inserts: int = 0, max_batch: int = 1) -> int:
+    """The pool's resident slots (entries) in the bytes of ``slots`` per layer: the most ``P`` whose
+    ``P + S + 1`` (``S`` = :func:`pybmoe.routing.sim.pool_staging`, one zero slot) fit the ``n_layer x
+    (slots + staging + 1)`` expert copies those slots take, as the engine sizes a bank for
+    ``--moe-expert-cache-mb`` and ``auto`` (ggml-ext/llama-moe-vram-alloc.cpp, llama_moe_vram_bank_slots).
+    0 for 0 slots."""
+    if slots <= 0:
+        return 0
+    n, e, k = shape.n_layer, shape.n_expert, shape.top_k
+    room = n * (slots + sim.staging_slots(slots, e, k, inserts, max_batch) + 1)
+    for p in range(n * e, 0, -1):
+        if p + sim.pool_staging(p, n, e, k) + 1 <= room:
+            return p
+    return 0
+
+
 def max_slots(shape: ModelShape, free_mib: float | None, inserts: int = 0) -> int:
     """Rule 2: the most slots per layer that fit in ``free_mib`` MiB (``n_expert`` when None)."""
     if free_mib is None:
@@ -98,7 +114,8 @@ def max_slots(shape: ModelShape, free_mib: float | None, inserts: int = 0) -> in
 @dataclass(frozen=True)
 class Recommendation:
     """The recommended slots per layer, its device MiB and expected hit rate (NaN without a trace),
-    whether it is below the cycle, the table of candidates and any warnings (text)."""
+    whether it is below the cycle, the table of candidates (per candidate also ``pool_slots``, the
+    pool the same MiB buy, and its ``pool_hit_rate``) and any warnings (text)."""
 
     shape: ModelShape
     slots_per_layer: int
@@ -128,14 +145,17 @@ def recommend(shape: ModelShape, *, free_mib: float | None = None, trace: tr.Tra
         rp = sim.prepare(trace)
         for s in range(1, s_max + 1):
             r = sim.simulate(rp, "layer-lru", slots_per_layer=s, inserts=inserts, phase="decode", backend=backend)
-            rows.append((s, r.hit_rate))
+            pool = sim.simulate(rp, "pool", budget_entries=pool_slots(s, shape, inserts), phase="decode",
+                                backend=backend)
+            rows.append((s, r.hit_rate, pool.hit_rate))
     else:
-        rows = [(s, math.nan) for s in sorted({1, shape.top_k, shape.n_expert // 4, shape.n_expert // 2, s_max})
+        rows = [(s, math.nan, math.nan) for s in sorted({1, shape.top_k, shape.n_expert // 4, shape.n_expert // 2, s_max})
                 if 1 <= s <= s_max]
     table = pd.DataFrame([{"slots_per_layer": s,
                            "staging": sim.staging_slots(s, shape.n_expert, shape.top_k, inserts),
-                           "device_mib": device_bytes(s, shape, inserts) / MIB, "hit_rate": h} for s, h in rows],
-                         columns=["slots_per_layer", "staging", "device_mib", "hit_rate"])
+                           "device_mib": device_bytes(s, shape, inserts) / MIB, "hit_rate": h,
+                           "pool_slots": pool_slots(s, shape, inserts), "pool_hit_rate": ph} for s, h, ph in rows],
+                         columns=["slots_per_layer", "staging", "device_mib", "hit_rate", "pool_slots", "pool_hit_rate"])
     if s_max == 0:
         warnings.append(f"not even one slot per layer fits in {free_mib} MiB "
                         f"(one slot per layer costs {device_bytes(1, shape, inserts) / MIB:.3g} MiB): leave the cache off")

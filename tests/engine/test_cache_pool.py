@@ -1,5 +1,5 @@
 """The VRAM tier's pool (issue 42): sized in MiB per device (``--moe-expert-cache-mb N``, upstream's
-``--moe-cache-mib N``), the layers of one device and expert shape share one bank of slots, and one LRU
+``--moe-cache-mib N``, or ``auto`` from free memory), the layers of one device and expert shape share one bank of slots, and one LRU
 over their (layer, expert) entries with a per-layer floor decides what it holds (docs/expert-cache.md,
 "The pool").
 
@@ -206,6 +206,23 @@ def test_each_devices_pool_is_in_the_stats_and_on_metrics(model_q8, rpc, spec, l
     assert m["device_banks"][dev] == 1 and m["slots"][dev] == d.slots
     assert m["device_hits"][dev] == m["hits"] and m["device_misses"][dev] == m["misses"] > 0
     assert 0 < m["device_resident"][dev] <= d.slots
+
+
+def test_auto_is_a_pool_too(model_q8, rpc, spec, tmp_path):
+    """--moe-expert-cache auto sizes each device from its free memory (here capped by the ceiling), and
+    those bytes are one pool, replayed exactly."""
+    path = tmp_path / "t.csv"
+    run = _run(model_q8, rpc.endpoint, tmp_path, ["--moe-expert-cache", "auto", "--moe-expert-cache-floor-mb", "0",
+                                                  "--moe-expert-cache-ceil-mb", "6", "--moe-expert-cache-sync",
+                                                  "--moe-trace", str(path)], "on")
+    auto = re.search(r"auto on \S+: .* -> (\d+) slots/layer for (\d+) layers", run.log)
+    (n_layers, _, P, _), = _pool_lines(run.log)
+    s, n = int(auto.group(1)), int(auto.group(2))
+    assert n == n_layers == spec.n_layer and P >= s * n
+    t = tr.read_trace(path)
+    assert sim.parse_pool(t.meta.extra["pool"])[0][0] == P
+    bad = sim.compare_with_engine(t, sim.engine_replay(t))
+    assert bad.empty, f"{len(bad)} lookups differ"
 
 
 def test_slots_per_layer_stay_each_layers_own(model_q8, rpc, tmp_path):

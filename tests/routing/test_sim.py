@@ -8,6 +8,8 @@ traces and on granite.
 """
 from __future__ import annotations
 
+import re
+
 import math
 from pathlib import Path
 
@@ -557,6 +559,15 @@ def test_sizing_recommendation(tmp_path, granite):
     best = min(s for s in hits if hits[s] >= hits[32] - 0.01)
     assert rec.slots_per_layer == best and rec.hit_rate == pytest.approx(hits[best])
     assert not rec.below_cycle and not rec.warnings
+    # beside each candidate, the pool the same MiB buy (the engine's bank sizing) and its hit rate
+    for s in (1, 8, 20):
+        P = sizing.pool_slots(s, shape)
+        assert P + sim.pool_staging(P, 24, 32, 8) + 1 <= 24 * (s + min(8, 32 - s) + 1)
+        assert P == 24 * 32 or P + 1 + sim.pool_staging(P + 1, 24, 32, 8) + 1 > 24 * (s + min(8, 32 - s) + 1)
+        row = rec.table[rec.table["slots_per_layer"] == s].iloc[0]
+        assert row["pool_slots"] == P
+        assert row["pool_hit_rate"] == pytest.approx(sim.simulate(granite, "pool", budget_entries=P).hit_rate)
+    assert sizing.pool_slots(0, shape) == 0
     small = sizing.recommend(shape, free_mib=sizing.device_bytes(4, shape) / 2**20, trace=granite)
     assert small.slots_per_layer == 4 and small.below_cycle and "below the cycle" in small.warnings[0]
     none = sizing.recommend(shape, free_mib=0.001)
@@ -570,6 +581,7 @@ def test_size_cli(tmp_path, granite, capsys):
     assert size.main(["-m", str(m), "--trace", str(GRANITE), "--free-mb", "0.08"]) == 0
     out = capsys.readouterr()
     assert "recommended: --moe-expert-cache" in out.out and "expected hit rate" in out.out
+    assert re.search(r"--moe-expert-cache-mb \d+ \(one pool of \d+ slots, expected hit rate [\d.]+%\)", out.out), out.out
     assert size.main(["-m", str(m), "--free-mb", "0.06"]) == 0
     out = capsys.readouterr()
     assert "--moe-expert-cache 3 " in out.out and "below the cycle" in out.err
