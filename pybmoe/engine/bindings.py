@@ -1165,7 +1165,9 @@ class Llama(llama_cpp.Llama):
 
     def set_moe_cache_slots(self, n_slots: int) -> int:
         """Sets the slots per layer between generations (0 .. the slots allocated at load); shrinking
-        evicts at once. Returns the new count.
+        evicts at once. With the pool (``moe_expert_cache_mb`` or ``"auto"``) each bank holds
+        ``n_slots x its layers`` slots, at most its slots at load, and evicts the least recently
+        used entries of the bank. Returns the new count.
 
         Raises:
             ValueError: a bad value (the message names the accepted range), or the cache is off.

@@ -197,6 +197,19 @@ def test_each_devices_pool_is_in_the_stats_and_on_metrics(model_q8, rpc, spec, l
     assert (d.hits, d.misses) == (st.hits, st.misses) and d.hits > 0
     assert d.allocated_mib == pytest.approx(st.allocated_mib, rel=0.5)
 
+    # a resize between generations: the bank holds n_slots x layers, evicting its least recently used
+    llm = bindings.Llama(model_q8, moe_expert_cache_mb=mib, **kw)
+    try:
+        llm("Hello there, experts", max_tokens=8)
+        assert llm.set_moe_cache_slots(1) == 1
+        (small,) = llm.moe_cache_stats().devices
+        assert small.slots_now == spec.n_layer and small.resident <= spec.n_layer
+        llm("Hello there, experts", max_tokens=8)
+        (after,) = llm.moe_cache_stats().devices
+        assert 0 < after.resident <= spec.n_layer and after.slots == d.slots
+    finally:
+        llm.close()
+
     srv = engine.LlamaServer(demo.server_args(model_q8, rpc.endpoint, 0, 0, ["--moe-cache-mib", str(mib), "--metrics"]))
     with srv:
         srv.completion("Hello there", n_predict=4)
