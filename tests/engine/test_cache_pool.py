@@ -263,3 +263,26 @@ def test_a_malformed_pool_header_is_refused():
         with pytest.raises(ValueError, match="expected P:il"):
             sim.parse_pool(bad)
     assert sim.parse_pool("12:0,1/8:2,3") == [(12, [0, 1]), (8, [2, 3])]
+
+
+def test_a_bank_of_more_than_1024_slots_is_exact(rpc, tmp_path):
+    """12 layers x 256 experts, top-8, tiny widths: a pool of half the experts is one bank of about
+    1700 slots, one MUL_MAT_ID over more experts than any model layer has (upstream's limit is 512
+    per layer; Vulkan's count shader hoists row ids only up to 1024). On the RPC device the logits
+    equal the cache off and the replay is exact."""
+    m = models.cached_model_path(models.ModelSpec(arch="qwen3moe", n_layer=12, n_expert=256, n_expert_used=8, n_embd=64,
+                                                  n_ff_exp=32, head_dim=16, n_head=4, n_head_kv=2))
+    base = ["-b", "512", "-ub", "8", "--rpc", rpc.endpoint, "-ngl", "99", "--cpu-moe", "--no-repack"]
+    off = engine.run_logits(m, tmp_path / "off.bin", base, prompt=PROMPT, n_predict=16, ctx=512)
+    probe = engine.run_logits(m, tmp_path / "p.bin", [*base, *engine.cache_args(1)], prompt="Hi", n_predict=1, ctx=256)
+    rec = engine.cache_record(probe.log)
+    mib = math.ceil((128 + 8 + 1) * rec["slot_mib"] * rec["layers"])
+    path = tmp_path / "t.csv"
+    on = engine.run_logits(m, tmp_path / "on.bin", [*base, "--moe-expert-cache-mb", str(mib), "--moe-expert-cache-sync",
+                                                    "--moe-expert-cache-max-batch", "8", "--moe-trace", str(path)],
+                           prompt=PROMPT, n_predict=16, ctx=512)
+    (_, _, P, banks), = _pool_lines(on.log)
+    assert banks == 1 and P > 1024
+    assert on.logits == off.logits
+    t = tr.read_trace(path)
+    assert sim.compare_with_engine(t, sim.engine_replay(t)).empty
