@@ -18,7 +18,8 @@
 #    routed MUL_MAT_ID + GLU with a shared expert of the same shape (qwen35moe), and reorders the
 #    graph's nodes for it, which the cache's device chain can now match; and the pool (slots "pool":
 #    --moe-expert-cache-mb at the MiB the 8 slots per layer took, one bank of P + S + 1 slots per
-#    projection that every layer's MUL_MAT_ID reads), under the same limits.
+#    projection that every layer's MUL_MAT_ID reads), under the same limits; each run also gives its
+#    decode tok/s (pybmoe-logits' decode-tok-s), so the pool stands beside 8 slots per layer at one MiB.
 # Results: $OUT (or build/device-out) / summary.txt, e2e.csv and logs.tar.gz (every log and table;
 # the device tool brings back at most 8 files). Bulky files (models, logits) stay in $WORK.
 set -uo pipefail
@@ -81,7 +82,7 @@ for arch in qwen3moe gemma4 gpt-oss qwen35moe; do
         --ftype Q8_0 --vocab build/device/ggml-vocab-gpt-2.gguf "${small[@]}" >> "$WORK/models.log" 2>&1 \
         || echo "model $arch: not written ($(tail -1 "$WORK/models.log"))" | tee -a "$WORK/summary.txt"
 done
-echo "arch,slots,rc,tokens_equal,nmse,hit_pct" > "$WORK/e2e.csv"
+echo "arch,slots,rc,tokens_equal,nmse,hit_pct,decode_tok_s" > "$WORK/e2e.csv"
 for M in "$WORK"/tiny-*.gguf; do
     arch=$(basename "$M" .gguf); arch=${arch#tiny-}
     for slots in 0 8 8-nofusion pool; do
@@ -98,8 +99,9 @@ for M in "$WORK"/tiny-*.gguf; do
         same=no; cmp -s <(grep '^token' "$WORK/tokens-$arch-0.txt") <(grep '^token' "$WORK/tokens-$arch-$slots.txt") && same=yes
         e=$(nmse "$WORK/logits-$arch-0.bin" "$WORK/logits-$arch-$slots.bin")
         hit=$(grep -ho "moe-cache: [0-9.]*% hit" "$WORK/run-$arch-$slots.log" "$WORK/tokens-$arch-$slots.txt" | tail -1 | grep -o "[0-9.]*%" | tr -d %)
-        echo "$arch,$slots,$rc,$same,$e,${hit:-}" >> "$WORK/e2e.csv"
-        echo "cuda cache $arch: rc=$rc tokens identical=$same nmse=$e (limit 1e-6) hit=${hit:-none}%" | tee -a "$WORK/summary.txt"
+        tps=$(grep -ho "^decode-tok-s [0-9.]*" "$WORK/tokens-$arch-$slots.txt" | awk '{print $2}')
+        echo "$arch,$slots,$rc,$same,$e,${hit:-},${tps:-}" >> "$WORK/e2e.csv"
+        echo "cuda cache $arch ($slots): rc=$rc tokens identical=$same nmse=$e (limit 1e-6) hit=${hit:-none}% decode ${tps:-?} tok/s (off: $(grep -ho "^decode-tok-s [0-9.]*" "$WORK/tokens-$arch-0.txt" | awk '{print $2}'))" | tee -a "$WORK/summary.txt"
     done
 done
 echo "total: $(( $(date +%s) - t0 )) s" | tee -a "$WORK/summary.txt"

@@ -8,7 +8,8 @@
 //
 // FILE gets, for each decode step (one token each), n_vocab float32 values in native byte order.
 // stdout gets the generated token ids, one per line ("token ID"). The prompt is decoded as one batch (prefill).
-// After the context is freed, stdout gets one line per cached layer: "moe-cache-layer IL HITS MISSES".
+// After the last step, "decode-tok-s RATE" (the single-token decodes per second, a device check's figure);
+// after the context is freed, stdout gets one line per cached layer: "moe-cache-layer IL HITS MISSES".
 // --moe-resize-at STEP:SLOTS calls llama_model_moe_cache_set_slots(SLOTS) after STEP decode steps
 // (between two llama_decode calls) and prints "moe-cache-resize RC".
 // --moe-resize-in-graph SLOTS calls it once from inside the first decode graph (an eval callback,
@@ -24,7 +25,9 @@
 #include "common.h"
 #include "llama.h"
 #include "llama-moe.h"
+#include "ggml.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
@@ -171,6 +174,7 @@ int main(int argc, char ** argv) {
     }
     rig.armed = true;
     llama_token tok = 0;
+    const int64_t t_decode = ggml_time_us();
     for (int i = 0; i < params.n_predict; ++i) {
         const float * logits = llama_get_logits_ith(ctx, -1);
         if (i > 0) {
@@ -199,6 +203,10 @@ int main(int argc, char ** argv) {
         }
     }
     fclose(out);
+    if (params.n_predict > 1) {
+        // the single-token decodes' rate (a device check's figure; the benchmarks use llama-bench and llama-server)
+        printf("decode-tok-s %.3f\n", (params.n_predict - 1) * 1e6 / std::max<int64_t>(1, ggml_time_us() - t_decode));
+    }
     llama_free(ctx); // accounts the last graph's routing
 
     for (int32_t il = 0; il < llama_model_n_layer(model); ++il) {
