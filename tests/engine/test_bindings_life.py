@@ -412,14 +412,14 @@ def test_the_stats_carry_the_summary_lines_fields(tmp_path):
     """verbose=False hides the engine's summary line, so the stats call must hold what it said: the
     same figures, field by field, as the line a verbose run prints at close."""
     rc, out, err = _child(tmp_path, """
-        import json
+        import dataclasses, json
         with engine.RpcServer(threads=1) as rpc:
             llm = bindings.Llama(m, n_gpu_layers=99, cpu_moe=True, repack=False, rpc_servers=rpc.endpoint,
                                  moe_expert_cache=8, n_ctx=256, verbose=True)
             llm("Hello", max_tokens=12, temperature=0)
             time.sleep(0.5)  # the last step's uploads land (they run behind decode)
             s = llm.moe_cache_stats()
-            print(json.dumps(dict(s.__dict__, hit_rate=s.hit_rate, upload_gbps=s.upload_gbps)), flush=True)
+            print(json.dumps(dict(dataclasses.asdict(s), hit_rate=s.hit_rate, upload_gbps=s.upload_gbps)), flush=True)
             llm.close()
     """)
     assert rc == 0, err[-3000:]
@@ -427,6 +427,9 @@ def test_the_stats_carry_the_summary_lines_fields(tmp_path):
     st = json.loads(out.strip().splitlines()[-1])
     line = engine.parse_cache_summaries(err)[-1]
     assert st["hits"] + st["misses"] > 0 and st["uploads"] > 0
+    # slots per layer: one device, no pool, its counts the cache's; the line names no pool
+    (dev,) = st["devices"]
+    assert dev["banks"] == 0 and (dev["hits"], dev["misses"]) == (st["hits"], st["misses"]) and line.pools == ()
     assert line.hit_pct == pytest.approx(100 * st["hit_rate"], abs=0.05)
     assert line.resident_mib == pytest.approx(st["resident_mib"], abs=0.05)
     assert (line.uploads, line.steps, line.h2d, line.publishes, line.waits, line.warmup_uploads) == \
