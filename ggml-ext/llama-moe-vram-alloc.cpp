@@ -171,11 +171,23 @@ static bool llama_moe_vram_alloc(llama_model & model, llama_moe_tiers & mc, ggml
                              first, ils.size(), pool ? (int32_t) banks.size() : 0 });
     // what the bytes are: resident slots, staging slots (uploads land there), the zero slot(s), and the rest
     // (the id->slot table and the bias copies, plus alignment)
-    const double e = (double) vram.layers[first].expert_bytes();
     const double mib = 1024.0 * 1024.0;
-    const double slots_b = pool ? e * n_pool : e * dev_slots * ils.size();
-    const double stage_b = pool ? e * n_pool_stage : e * n_stage * ils.size();
-    const double zero_b  = pool ? e * banks.size() : e * ils.size();
+    double slots_b = 0.0, stage_b = 0.0, zero_b = 0.0;
+    if (pool) {
+        for (const auto & ba : banks) { // a bank's layers share one expert size
+            const double e = (double) vram.layers[vram.layer_of_ir(ba.irs[0])].expert_bytes();
+            slots_b += e * ba.n_slots;
+            stage_b += e * ba.n_stage;
+            zero_b  += e;
+        }
+    } else {
+        for (size_t li = first; li < vram.layers.size(); ++li) {
+            const double e = (double) vram.layers[li].expert_bytes();
+            slots_b += e * dev_slots;
+            stage_b += e * n_stage;
+            zero_b  += e;
+        }
+    }
     if (pool) {
         // note: level NONE, one line per device: which pool each device holds shows at the default verbosity
         LLAMA_LOG("%s: moe-cache: %8.2f MiB of expert slots for %zu layers in %s: one pool of %lld slots over "
