@@ -37,6 +37,7 @@ int32_t llama_moe_residency::add_layer(int32_t n_expert, int32_t n_slots, int32_
     l.n_stage  = n_stage;
     l.n_phys   = n_slots + n_stage;
     l.table.assign(n_expert, l.n_phys);
+    l.moving_e.assign(n_expert, 0);
     l.used.assign(n_expert, 0);
     l.last_miss.assign(n_expert, 0);
     l.slot_expert.assign(l.n_phys, -1);
@@ -67,7 +68,6 @@ int32_t llama_moe_residency::add_bank(const std::vector<int32_t> & ils, int32_t 
         l.table.assign(l.n_expert, l.n_phys);
         l.slot_expert.clear();
         l.slot_state.clear();
-        l.moving_e.assign(l.n_expert, 0);
         l.dirty = true;
     }
     banks.push_back(std::move(bk));
@@ -163,43 +163,37 @@ void llama_moe_residency::settle(size_t n_done) {
     for (size_t i = 0; i < n_done; ++i) {
         const llama_moe_move & m = moving[i];
         auto & l = layers.at(m.layer);
-        if (l.bank >= 0) {
-            auto & bk = banks[l.bank];
-            LLAMA_MOE_RES_ASSERT(bk.slot_state[m.slot] == LLAMA_MOE_SLOT_MOVING && bk.slot_layer[m.slot] == m.layer &&
-                                 bk.slot_expert[m.slot] == m.expert);
-            l.moving_e[m.expert] = 0;
-            if (bk.n_resident >= bk.n_slots) {
-                const int32_t victim = bank_victim(l.bank, m.layer);
-                if (victim < 0) {
-                    bk.slot_state[m.slot]  = LLAMA_MOE_SLOT_FREE;
-                    bk.slot_layer[m.slot]  = -1;
-                    bk.slot_expert[m.slot] = -1;
-                    continue;
-                }
-                bank_evict(l.bank, victim);
-            }
-            l.table[m.expert]     = m.slot;
-            bk.slot_state[m.slot] = LLAMA_MOE_SLOT_RESIDENT;
-            bk.n_resident++;
-            l.n_resident++;
-            l.dirty = true;
-            continue;
-        }
-        LLAMA_MOE_RES_ASSERT(l.slot_state[m.slot] == LLAMA_MOE_SLOT_MOVING && l.slot_expert[m.slot] == m.expert);
-        if (l.n_resident == l.n_slots) {
-            // never evict an expert the last step looked up
-            const int32_t victim = lru_victim(m.layer, l.last_step);
+        // the slots the move landed in: the layer's own, or its bank's
+        llama_moe_residency_bank * bk = l.bank >= 0 ? &banks[l.bank] : nullptr;
+        auto & state  = bk ? bk->slot_state  : l.slot_state;
+        auto & expert = bk ? bk->slot_expert : l.slot_expert;
+        LLAMA_MOE_RES_ASSERT(state[m.slot] == LLAMA_MOE_SLOT_MOVING && expert[m.slot] == m.expert &&
+                             (!bk || bk->slot_layer[m.slot] == m.layer));
+        l.moving_e[m.expert] = 0;
+        if (bk ? bk->n_resident >= bk->n_slots : l.n_resident == l.n_slots) {
+            // never evict an expert the last step looked up (a bank: but see its floor, bank_victim)
+            const int32_t victim = bk ? bank_victim(l.bank, m.layer) : lru_victim(m.layer, l.last_step);
             if (victim < 0) {
-                // every resident expert was needed just now: drop the move
-                l.slot_state[m.slot]  = LLAMA_MOE_SLOT_FREE;
-                l.slot_expert[m.slot] = -1;
+                // every candidate was needed just now: drop the move
+                state[m.slot]  = LLAMA_MOE_SLOT_FREE;
+                expert[m.slot] = -1;
+                if (bk) {
+                    bk->slot_layer[m.slot] = -1;
+                }
                 continue;
             }
-            evict(m.layer, victim);
+            if (bk) {
+                bank_evict(l.bank, victim);
+            } else {
+                evict(m.layer, victim);
+            }
         }
-        l.table[m.expert]     = m.slot;
-        l.slot_state[m.slot]  = LLAMA_MOE_SLOT_RESIDENT;
+        l.table[m.expert] = m.slot;
+        state[m.slot]     = LLAMA_MOE_SLOT_RESIDENT;
         l.n_resident++;
+        if (bk) {
+            bk->n_resident++;
+        }
         l.dirty = true;
     }
     moving.erase(moving.begin(), moving.begin() + (ptrdiff_t) n_done);
@@ -210,36 +204,24 @@ int llama_moe_residency::start_move(int32_t il, int32_t e, int32_t & p) {
     if (l.is_resident(e)) {
         return 0; // became resident at this settle (an earlier miss of the same expert)
     }
-    if (l.bank >= 0) {
-        auto & bk = banks[l.bank];
-        if (l.moving_e[e]) {
-            return 0;
-        }
-        while (p < bk.n_phys && bk.slot_state[p] != LLAMA_MOE_SLOT_FREE) {
-            p++;
-        }
-        if (p == bk.n_phys) {
-            return -1;
-        }
-        bk.slot_state[p]  = LLAMA_MOE_SLOT_MOVING;
-        bk.slot_layer[p]  = il;
-        bk.slot_expert[p] = e;
-        l.moving_e[e] = 1;
-        moving.push_back({ il, e, p });
-        return 1;
-    }
-    if (std::find(l.slot_expert.begin(), l.slot_expert.end(), e) != l.slot_expert.end()) {
+    if (l.moving_e[e]) {
         return 0; // still moving from an earlier step (the default mode does not wait for it)
     }
-    // moves go to free slots only: residents keep serving while they are written
-    while (p < l.n_phys && l.slot_state[p] != LLAMA_MOE_SLOT_FREE) {
+    // moves go to free slots only (the layer's own, or its bank's): residents keep serving while they are written
+    llama_moe_residency_bank * bk = l.bank >= 0 ? &banks[l.bank] : nullptr;
+    auto & state = bk ? bk->slot_state : l.slot_state;
+    while (p < l.n_phys && state[p] != LLAMA_MOE_SLOT_FREE) {
         p++;
     }
     if (p == l.n_phys) {
         return -1;
     }
-    l.slot_state[p]  = LLAMA_MOE_SLOT_MOVING;
-    l.slot_expert[p] = e;
+    state[p] = LLAMA_MOE_SLOT_MOVING;
+    (bk ? bk->slot_expert : l.slot_expert)[p] = e;
+    if (bk) {
+        bk->slot_layer[p] = il;
+    }
+    l.moving_e[e] = 1;
     moving.push_back({ il, e, p });
     return 1;
 }

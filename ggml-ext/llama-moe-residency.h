@@ -79,7 +79,7 @@ struct llama_moe_residency_layer {
     int32_t n_stage  = 0; // extra slots that moves land in while the residents keep serving
     int32_t n_phys   = 0; // n_cap + n_stage; as a table value it means "not resident"
     int32_t bank     = -1; // index into llama_moe_residency::banks (then the slot_* vectors are the bank's), or -1
-    std::vector<uint8_t> moving_e; // [n_expert] a bank layer's expert is moving (-1: per-layer slots track it in slot_expert)
+    std::vector<uint8_t> moving_e; // [n_expert] 1 while the expert is moving into a slot
 
     std::vector<int32_t>  table;       // [n_expert] expert -> slot, n_phys when not resident
     std::vector<uint64_t> used;        // [n_expert] the last step the expert was looked up (0 = never)

@@ -399,6 +399,18 @@ class Replay:
             self._cache["ub"] = (keys // UB, idx.astype(np.int64), tokens)
         return self._cache["ub"]
 
+    def restrict(self, rows: np.ndarray) -> "Replay":
+        """A :class:`Replay` of the rows ``rows`` (bool ``[rows]``) of this trace, say one bank's layers,
+        whose ubatches keep the token counts they have here: a ubatch is served by its tokens over every
+        layer (a prompt ubatch's last layer routes only its output row, and the engine served none of it)."""
+        sub = Replay(tr.Trace(self.trace.frame.loc[rows].reset_index(drop=True), self.trace.meta, self.trace.source))
+        _, ub_idx, ub_tokens = self.ubatches()
+        uniq, inv = np.unique(ub_idx[rows], return_inverse=True)
+        first = np.empty(len(uniq), dtype=np.int64)
+        first[inv[::-1]] = np.arange(len(inv))[::-1]                   # a row of each ubatch
+        sub._cache["ub"] = (sub.wl[first], inv.astype(np.int64), ub_tokens[uniq])
+        return sub
+
     def tokens(self, phase: str) -> np.ndarray:
         """Per workload: the distinct tokens with lookups in ``phase`` (int64 ``[workloads]``)."""
         key = ("tokens", phase)
@@ -1081,19 +1093,12 @@ def _engine_replay_pool(rp: Replay, banks: list[tuple[int, list[int]]], max_batc
     predicted = np.full(len(f), -1, dtype=np.int8)
     counted = np.zeros(len(f), dtype=bool)
     parts = []
-    _, ub_idx, ub_tokens = rp.ubatches()
     for entries, ils in banks:
         rows = np.isin(lay, ils)
         if not rows.any():
             continue
-        sub = Replay(tr.Trace(f.loc[rows].reset_index(drop=True), meta, rp.trace.source))
-        # a ubatch is served by its token count over every layer, not the bank's rows (the last layer of a
-        # prompt ubatch routes only its output row, and the engine's graph served none of it)
-        uniq, inv = np.unique(ub_idx[rows], return_inverse=True)
-        first = np.empty(len(uniq), dtype=np.int64)
-        first[inv[::-1]] = np.arange(len(inv))[::-1]
-        sub._cache["ub"] = (sub.wl[first], inv.astype(np.int64), ub_tokens[uniq])
-        r = simulate(sub, "pool", budget_entries=entries, phase="all", max_batch=max_batch, backend=backend)
+        r = simulate(rp.restrict(rows), "pool", budget_entries=entries, phase="all", max_batch=max_batch,
+                     backend=backend)
         predicted[rows] = r.predicted
         counted[rows] = r.counted
         parts.append(r.summary)
