@@ -7,11 +7,16 @@ through a generated model of its shape (``--moe-route-replay``, pybmoe.routing.g
 on the loopback RPC device, ``--moe-expert-cache-sync``, the prompt of the replay then ``--n-predict``
 decode tokens. For each ``S`` in ``--slots``: ``--moe-expert-cache S`` (per-layer slots), then
 ``--moe-expert-cache-mb M`` with ``M`` the MiB those slots, their staging and zero slots take (rounded
-up), which the engine runs as one pool (docs/expert-cache.md, "The pool").
+up), which the engine runs as one pool (docs/expert-cache.md, "The pool"). Each pair runs twice: in
+``pybmoe-logits`` (the prompt as one ubatch, then ``--n-predict`` single-token decodes) and through
+``llama-server`` at its own defaults otherwise (its context, slots and batch; one completion request of
+the same prompt and length). The tier is off at the defaults, so there is no point without a cache
+flag: the two cache flags are the only tuning.
 
 Writes ``OUT/pool-engine.csv`` (one row per S: ``mib``, the pool's ``pool_slots``, each run's hit % and
 uploads from its summary line, ``logits_equal``: the two runs' logits, both bit-identical to the cache
-off by the tests) and ``OUT/pool-engine.png`` (hit % against MiB). Usage:
+off by the tests; ``server_layer_hit_pct`` / ``server_pool_hit_pct``: the same through llama-server)
+and ``OUT/pool-engine.png`` (hit % against MiB). Usage:
 ``python tools/bench-pool-engine.py --out DIR [--slots 2,4,8,16] [--n-predict 64]``.
 """
 from __future__ import annotations
@@ -57,10 +62,17 @@ def main(argv: list[str] | None = None) -> int:
             pool = engine.run_logits(model, tmp / f"p{s}.bin", [*base, "--moe-expert-cache-mb", str(mib)], prompt=prompt,
                                      n_predict=a.n_predict, ctx=512, timeout=900)
             x, y = engine.parse_cache_summaries(per.log)[-1], engine.parse_cache_summaries(pool.log)[-1]
+            server = []
+            for flags in (["--moe-expert-cache", str(s)], ["--moe-expert-cache-mb", str(mib)]):
+                srv = engine.LlamaServer(["-m", str(model), *base, *flags])
+                with srv:
+                    srv.completion(prompt, n_predict=a.n_predict)
+                server.append(engine.parse_cache_summaries(srv.stop())[-1].hit_pct)
             rows.append({"slots_per_layer": s, "mib": mib, "layer_slots": s * rec["layers"],
                          "pool_slots": int(POOL.search(pool.log).group(1)), "layer_hit_pct": x.hit_pct,
                          "pool_hit_pct": y.hit_pct, "layer_uploads": x.uploads, "pool_uploads": y.uploads,
-                         "logits_equal": per.logits == pool.logits})
+                         "logits_equal": per.logits == pool.logits, "server_layer_hit_pct": server[0],
+                         "server_pool_hit_pct": server[1]})
             print(rows[-1], flush=True)
     df = pd.DataFrame(rows)
     df.to_csv(a.out / "pool-engine.csv", index=False)
@@ -74,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(df["mib"], df["layer_hit_pct"], "o-", label="per-layer slots (--moe-expert-cache S)")
     ax.plot(df["mib"], df["pool_hit_pct"], "s-", label="pool (--moe-expert-cache-mb M)")
+    ax.plot(df["mib"], df["server_layer_hit_pct"], "o--", color="C0", alpha=0.6, label="per-layer, llama-server")
+    ax.plot(df["mib"], df["server_pool_hit_pct"], "s--", color="C1", alpha=0.6, label="pool, llama-server")
     ax.set_xlabel("MiB of expert slots on the device")
     ax.set_ylabel("hit % (decode steps, sync)")
     ax.set_title(f"granite routing, {a.n_predict} decode tokens, RPC device")
