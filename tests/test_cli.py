@@ -11,9 +11,10 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from pybmoe import cli, engine
+from pybmoe import cli, engine, models
 from pybmoe.cli import serve, size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,10 +84,10 @@ def test_serve_waits_for_an_rpc_server_that_starts_late(capsys):
         srv.close()
 
 
-def test_serve_fails_with_one_line_when_no_rpc_server_comes(tmp_path):
+def test_serve_fails_with_one_line_when_no_rpc_server_comes(tmp_path, model_q8):
     port = engine.free_port()
     env = dict(os.environ, PYBMOE_RPC_WAIT_S="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "serve", "-m", "nothing.gguf", "--rpc",
+    r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "serve", "-m", str(model_q8), "--rpc",
                         f"127.0.0.1:{port}"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
@@ -265,3 +266,172 @@ def test_demo_help_says_what_both_parts_do_and_helps_every_option(capsys):
         assert a.help and len(a.help.split()) > 3, a.option_strings
         assert " ".join(a.help.split()[:3]) in text, a.option_strings  # shown by --help
     assert "the first part's prompt" in text
+
+
+# --------------------------------------------------------------------------- issue 52, item 6: one clear line
+
+def _one_line(err: str) -> str:
+    """The one line a refused command printed on stderr (asserts there is exactly one, and no raw errno)."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "[Errno" not in err, err
+    return lines[0]
+
+
+def _paths(tmp_path: Path, model_q8: Path) -> dict[str, Path]:
+    """A missing model, a folder, an empty file, a file that is not GGUF and a copy cut in half."""
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "text.gguf").write_text("not a model\n" * 10)
+    (tmp_path / "dir.gguf").mkdir()
+    return {"missing": Path("/nonexistent.gguf"), "folder": tmp_path / "dir.gguf", "empty": tmp_path / "empty.gguf",
+            "not GGUF": tmp_path / "text.gguf",
+            "truncated": _cut(model_q8, tmp_path / "half.gguf", model_q8.stat().st_size // 2)}
+
+
+#: What the one line says of each bad model file (models.check_gguf).
+MODEL_SAYS = {"missing": ": no such file; accepted: a GGUF file", "folder": " is a directory; accepted: a GGUF file",
+              "empty": " is empty (0 bytes", "not GGUF": " is not a GGUF file", "truncated": " is truncated: the data of tensor"}
+
+
+def test_load_and_size_name_a_bad_model_in_one_line(model_q8, tmp_path, capsys):
+    """`pybmoe load --out o -m /nonexistent.gguf` printed a FileNotFoundError traceback, and `pybmoe size -m
+    /nonexistent.gguf` or `-m DIR` the raw errno text: one line naming the path and what is wrong, exit 2,
+    nothing started and no output folder made."""
+    from pybmoe.cli import load
+    for case, path in _paths(tmp_path, model_q8).items():
+        assert load.main(["--out", str(tmp_path / "o"), "-m", str(path)]) == 2, case
+        cap = capsys.readouterr()
+        line = _one_line(cap.err)
+        assert line.startswith(f"pybmoe load: error: {path}") and MODEL_SAYS[case] in line, line
+        assert cap.out == "" and not (tmp_path / "o").exists()
+        assert size.main(["-m", str(path)]) == 2, case
+        cap = capsys.readouterr()
+        line = _one_line(cap.err)
+        assert line.startswith(f"pybmoe size: error: {path}") and MODEL_SAYS[case] in line, line
+        assert cap.out == ""
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--stream-mb", "-4"], "--stream-mb -4: accepted: a number > 0 (MiB)"),
+    (["--stream-mb", "300", "--stream-mb", "0"], "--stream-mb 0: accepted: a number > 0 (MiB)"),
+    (["--disk-mib-s", "-5"], "--disk-mib-s -5: accepted: a number > 0 (MiB/s)"),
+    (["--disk-mib-s", "nan"], "--disk-mib-s nan: accepted: a number > 0 (MiB/s)"),
+    (["--free-mb", "-1"], "--free-mb -1: accepted: a number >= 0 (MiB)"),
+    (["--inserts", "-2"], "--inserts -2: accepted: an integer >= 0"),
+    (["--n-gen", "0"], "--n-gen 0: accepted: an integer >= 1 (tokens)"),
+    (["--resident-tok-s", "0"], "--resident-tok-s 0: accepted: a number > 0 (tok/s)"),
+    (["--step-overhead-ms", "-1"], "--step-overhead-ms -1: accepted: a number >= 0 (ms)"),
+    (["--stream-mb", "300"], "--stream-mb 300 needs --trace and --disk-mib-s or --probe-disk and --resident-tok-s "
+                             "or --ram-mib-s"),
+    (["--stream-mb", "300", "--trace", "granite", "--disk-mib-s", "900"], "--stream-mb 300 needs --resident-tok-s "
+                                                                         "or --ram-mib-s"),
+])
+def test_size_checks_every_number_before_any_work(model_q8, args, says, capsys):
+    """`pybmoe size -m M --stream-mb -4` printed the recommendation and then an error that never mentioned -4;
+    `--disk-mib-s -5` was accepted. Each value is checked first: one line naming it and the range, exit 2,
+    nothing printed on stdout."""
+    assert size.main(["-m", str(model_q8), *args]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    assert _one_line(cap.err).startswith(f"pybmoe size: error: {says}"), cap.err
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_line(model_q8, tmp_path, capsys):
+    """`pybmoe sweep --out /proc/...` printed raw errno text: the folder is made (or refused) before any run,
+    in one line naming it and why."""
+    from pybmoe.cli import bench_stream, sweep
+    from pybmoe.cli import load as load_cli
+    (tmp_path / "file").write_text("x")
+    for out, why in (("/proc/pybmoe-nothing/out", "cannot create the folder"),
+                     (str(tmp_path / "file"), "it is a file; accepted: a folder"),
+                     (str(tmp_path / "file" / "sub"), "a part of the path is not a folder")):
+        for verb, main in (("sweep", sweep.main), ("bench-stream", bench_stream.main), ("load", load_cli.main)):
+            assert main(["-m", str(model_q8), "--out", out]) == 2, (verb, out)
+            cap = capsys.readouterr()
+            line = _one_line(cap.err)
+            assert line.startswith(f"pybmoe {verb}: error: --out {out}: ") and why in line, line
+            assert cap.out == ""
+
+
+def test_backend_ops_names_an_unknown_backend_and_the_real_ones(capsys):
+    """`pybmoe backend-ops -b NOSUCH` said `no duplicate-id case ran (is test-backend-ops from the patched
+    tree?)`: test-backend-ops skipped every backend. The name is refused with the build's backends."""
+    assert cli.main(["backend-ops", "-b", "NOSUCH"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("pybmoe backend-ops: error: -b NOSUCH: this build has no such backend; accepted: CPU"), line
+    assert "patched tree" not in line
+
+
+def test_bench_stream_refuses_a_replay_of_another_shape_first(model_q8, tmp_path, capsys):
+    """`pybmoe bench-stream --route-replay granite` on a model of another shape printed 73 lines, the reason
+    on line 71: the engine's checks are made first, in one line, before any run."""
+    from pybmoe.cli import bench_stream
+    rc = bench_stream.main(["-m", str(model_q8), "--out", str(tmp_path / "o"), "--route-replay", "granite"])
+    assert rc == 2
+    cap = capsys.readouterr()
+    line = _one_line(cap.err)
+    spec = models.read_spec(model_q8)
+    assert line.startswith("pybmoe bench-stream: error: --route-replay granite: "), line
+    assert "the trace is of another shape (24 layers, 32 experts, top-8)" in line
+    assert f"({spec.n_layer} MoE layers, {spec.n_expert} experts, top-{spec.n_expert_used})" in line
+    assert "--layers 24 --experts 32 --top-k 8" in line and cap.out == ""
+    assert not list((tmp_path / "o").glob("*.csv"))
+
+
+def test_the_replay_check_agrees_with_the_engine(model_q8, tmp_path):
+    """The oracle: the engine refuses the granite trace on this model (llama-bench --moe-route-replay), and
+    accepts a trace of the model's own shape; trace.replay_mismatch says the same of both."""
+    from pybmoe.routing import granite as granite_mod
+    from pybmoe.routing import trace as tr
+    csv, _ = granite_mod.granite_replay_csv()
+    spec = models.read_spec(model_q8)
+    rng = np.random.default_rng(0)
+    routing = np.array([[rng.choice(spec.n_expert, spec.n_expert_used, replace=False) for _ in range(spec.n_layer)]
+                        for _ in range(8)])
+    own = tr.write_trace(tr.make_trace(routing, n_expert=spec.n_expert), tmp_path / "own.csv")
+    for path, refused in ((csv, True), (own, False)):
+        r = subprocess.run([str(engine.find_binary("llama-bench")), "-m", str(model_q8), "-p", "0", "-n", "2", "-r", "1",
+                            "--moe-route-replay", str(path)], capture_output=True, text=True, timeout=300)
+        assert (r.returncode != 0) == refused, r.stderr[-2000:]
+        assert (tr.replay_mismatch(tr.read_trace(path), model_q8) is not None) == refused
+
+
+@pytest.mark.parametrize("case", list(MODEL_SAYS))
+def test_serve_refuses_a_bad_model_in_one_line_before_llama_server(case, model_q8, tmp_path):
+    """`pybmoe serve -m` with a missing, empty, non-GGUF or truncated file buried its one clear line among
+    13-15 lines of upstream log: the file is checked first, and its line is the only one."""
+    path = _paths(tmp_path, model_q8)[case]
+    r = subprocess.run([sys.executable, "-m", "pybmoe.cli", "serve", "-m", str(path), "--port", str(engine.free_port())],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 2
+    line = _one_line(r.stderr)
+    assert line.startswith(f"pybmoe serve: error: {path}") and MODEL_SAYS[case] in line, line
+    assert r.stdout == ""
+
+
+def test_serve_finds_the_model_as_llama_server_parses_it():
+    assert serve.model_arg(["-m", "a.gguf", "--port", "1"], env={}) == "a.gguf"
+    assert serve.model_arg(["--model=a.gguf", "--model", "b.gguf"], env={}) == "b.gguf"  # the last one wins
+    assert serve.model_arg(["--port", "1"], env={"LLAMA_ARG_MODEL": "c.gguf"}) == "c.gguf"
+    assert serve.model_arg(["-hf", "org/repo"], env={}) is None
+
+
+def test_serve_drops_the_models_cached_pages(model_q8, tmp_path):
+    """Issue 52, item 8: `pybmoe serve --memory-limit-mb N` right after `make-model` wrote the model found
+    its pages cached and charged to the writer's cgroup, so the limit did not count the server's reads.
+    serve drops them first (posix_fadvise, no root needed); the kernel's own count (mincore) is the oracle."""
+    import io
+    from pybmoe.engine import memlimit
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(model_q8.read_bytes())  # written just now: every page cached (and dirty)
+    assert memlimit.cached_bytes(copy) == copy.stat().st_size
+    err = io.StringIO()
+    serve.drop_model_cache(str(copy), err=err)
+    assert memlimit.cached_bytes(copy) == 0
+    mib = copy.stat().st_size / 2**20
+    assert err.getvalue() == (f"pybmoe serve: dropped {mib:.0f} MiB of {copy} from the page cache, so that the limit "
+                              "counts the server's reads of it\n")
+    err = io.StringIO()
+    serve.drop_model_cache(str(tmp_path / "gone.gguf"), err=err)  # cannot: says why, in one line
+    assert err.getvalue().startswith("pybmoe serve: note: the model's cached pages were not dropped (")
+    assert len(err.getvalue().splitlines()) == 1

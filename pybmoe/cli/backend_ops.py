@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         results, text, rc = backend_ops.run(a.backend)
-    except (engine.EngineError, subprocess.TimeoutExpired) as e:
+    except (engine.EngineError, backend_ops.UnknownBackendError, subprocess.TimeoutExpired) as e:
         print(f"pybmoe backend-ops: error: {e}", file=sys.stderr)
         return 2
     if not results:

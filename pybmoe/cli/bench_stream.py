@@ -11,6 +11,7 @@ from .. import engine
 from ..bench import stream
 from ..routing import granite
 from ..routing import trace as tr
+from . import paths
 
 
 def route_replay_file(arg: Path | None) -> Path | None:
@@ -68,9 +69,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "DIR/server-runs.csv and DIR/server-summary.csv (decode tok/s, time to the first token)")
     a = ap.parse_args(argv)
     from tqdm import tqdm
-    try:
-        stream.check_model(a.model)  # before the progress bar: a bad -m is the only line
+    try:  # before the progress bar: a bad -m or --out is the only line
+        stream.check_model(a.model)
+        why = paths.model_error(a.model) or paths.out_dir_error(a.out)
+        if why:
+            raise ValueError(why)
+        replay_arg = a.route_replay
         a.route_replay = route_replay_file(a.route_replay)
+        if a.route_replay is not None:  # the engine's own checks, here: one line, not a failed run's log
+            why = tr.replay_mismatch(tr.read_trace(a.route_replay), a.model)
+            if why:
+                raise ValueError(f"--route-replay {replay_arg}: {why}; accepted: a trace of the model's shape"
+                                 + (" (pybmoe make-model OUT --layers 24 --experts 32 --top-k 8 writes one of "
+                                    "granite's)" if str(replay_arg) == "granite" else ""))
         budgets = [b for b in a.budgets.split(",") if b.strip()]
         dense = [d for d in a.dense.split(",") if d.strip()]
         n_runs = (len(stream.points(budgets, not a.no_resident, dense, not a.no_defaults)) * len(stream.MODES)
@@ -88,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except engine.EngineError as e:
         print(f"pybmoe bench-stream: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        print(f"pybmoe bench-stream: error: {paths.os_error_line(e)}", file=sys.stderr)
+        return 2
     print(stream.format_summary(res.summary))
     if res.server_summary is not None:
         print(res.server_summary.to_string(index=False, float_format=lambda v: f"{v:.2f}"))

@@ -9,12 +9,14 @@ from typing import Sequence
 
 from .. import engine, models
 from ..bench import load
+from . import paths
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``pybmoe load [-m MODEL] [--clients 8] [--requests 200] [--configs stream,both] --out DIR``;
     returns 0 when every configuration passed, 1 when one failed or a server did not start, 2 on a
-    bad argument."""
+    bad argument (a model that is not a complete GGUF file, an output folder that cannot be made: one
+    line, before anything starts)."""
     ap = argparse.ArgumentParser(
         prog="pybmoe load",
         description="Start a loopback ggml-rpc-server and, per configuration, one llama-server -np 8 with "
@@ -34,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=2, help="server threads (default 2)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per request (default 300)")
     a = ap.parse_args(argv)
+    why = (paths.model_error(a.model) if a.model is not None else None) or paths.out_dir_error(a.out)
+    if why:
+        print(f"pybmoe load: error: {why}", file=sys.stderr)
+        return 2
     model = a.model or models.default_model_path("Q8_0")
     try:
         with engine.RpcServer(threads=1) as rpc:

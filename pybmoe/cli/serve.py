@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from .. import engine
 
@@ -51,6 +52,40 @@ def wait_for_rpc(endpoints: list[str], timeout_s: float, err=None) -> str | None
     return None
 
 
+def model_arg(argv: list[str], env: dict | None = None) -> str | None:
+    """The model file a llama-server command line names with ``-m X``, ``--model X`` or ``--model=X``
+    (the last one wins, as in llama.cpp's parser), else ``$LLAMA_ARG_MODEL``; None when it names none
+    (``-hf``, ``--model-url``)."""
+    env = os.environ if env is None else env
+    value = None
+    for i, a in enumerate(argv):
+        if a in ("-m", "--model") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith("--model="):
+            value = a.split("=", 1)[1]
+    return value if value is not None else env.get("LLAMA_ARG_MODEL") or None
+
+
+def drop_model_cache(model: str, err=None) -> None:
+    """Drops the cached pages of ``model`` (every file of a split GGUF) before a server starts under a
+    memory limit (:func:`pybmoe.engine.memlimit.drop_file_cache`): pages another process cached, such as
+    ``pybmoe make-model`` right before, are charged to that process's cgroup, and would spare the server
+    the reads the limit is there to count. Prints one line on ``err`` (stderr) saying what it dropped, or
+    why it could not."""
+    from .. import models
+    from ..engine import memlimit
+    err = err or sys.stderr
+    try:
+        files = models.split_files(model)
+        mib = sum(memlimit.drop_file_cache(f) for f in files) / 2**20
+    except (OSError, ValueError) as e:
+        print(f"pybmoe serve: note: the model's cached pages were not dropped ({e}); pages cached before the "
+              "server starts are not counted by the limit", file=err, flush=True)
+        return
+    print(f"pybmoe serve: dropped {mib:.0f} MiB of {model} from the page cache, so that the limit counts the "
+          "server's reads of it", file=err, flush=True)
+
+
 def memory_limit_arg(argv: list[str]) -> tuple[int | None, list[str]]:
     """``--memory-limit-mb N`` (or ``--memory-limit-mb=N``) taken out of a llama-server command line:
     (N, the rest), or (None, argv) when absent.
@@ -84,8 +119,10 @@ def serve_usage() -> str:
             "Run the patched llama-server with every option passed through. pybmoe serve adds:\n"
             "  --memory-limit-mb N   run llama-server inside a cgroup memory limit of N MiB (N >= 16; page cache\n"
             "                        included, as on a machine of that size; needs root and the cgroup memory\n"
-            "                        controller: exit 2 where one cannot be made; docs/stream-tier.md)\n"
-            f"and waits up to {RPC_WAIT_S:.0f} s (PYBMOE_RPC_WAIT_S; 0: no wait) for every --rpc HOST:PORT device to\n"
+            "                        controller: exit 2 where one cannot be made; docs/stream-tier.md); the\n"
+            "                        model's cached pages are dropped first, so that the limit counts its reads\n"
+            "refuses a -m file that is missing, empty, not GGUF or truncated in one line (exit 2), and\n"
+            f"waits up to {RPC_WAIT_S:.0f} s (PYBMOE_RPC_WAIT_S; 0: no wait) for every --rpc HOST:PORT device to\n"
             "accept connections, where stock llama-server aborts; exit 2 with one line when one does not.\n\n"
             "llama-server's options:\n")
 
@@ -101,6 +138,9 @@ def _serve_limited(exe: str, argv: list[str], limit_mib: int) -> int:
               "memory controller, or put the server under a limit yourself (docs/stream-tier.md, \"Under a memory "
               "limit\")", file=sys.stderr)
         return 2
+    model = model_arg(argv)
+    if model is not None:
+        drop_model_cache(model)
     with memlimit.MemoryLimit(limit_mib) as lim:
         print(f"pybmoe serve: llama-server runs under a {limit_mib} MiB memory limit (cgroup {lim.path}, page cache "
               "included)", file=sys.stderr, flush=True)
@@ -134,7 +174,9 @@ def serve_main(argv: list[str]) -> int:
     passes through), once every ``--rpc`` endpoint accepts connections (stock llama-server aborts with a
     backtrace when one does not yet: ``Failed to connect to host:port``). ``--memory-limit-mb N`` runs it
     inside a cgroup memory limit of N MiB instead (page cache included, as on a machine of that size;
-    needs root; an error, exit 2, where one cannot be made)."""
+    needs root; an error, exit 2, where one cannot be made), after dropping the model's cached pages
+    (:func:`drop_model_cache`). A model file that is missing, empty, not GGUF or truncated is refused
+    first, in one line (exit 2), before llama-server starts."""
     try:
         exe = engine.find_binary("llama-server")
         limit_mib, argv = memory_limit_arg(argv)
@@ -144,6 +186,12 @@ def serve_main(argv: list[str]) -> int:
     if {"-h", "--help", "--usage"} & set(argv):
         print(serve_usage(), flush=True)  # then llama-server's own help, below it
     else:
+        from . import paths  # here: the upstream names (llama-server, ...) import this module, and stay fast
+        model = model_arg(argv)
+        why = paths.model_error(Path(model)) if model is not None else None
+        if why:  # one line here, instead of llama-server's 13-15 lines of log before its own
+            print(f"pybmoe serve: error: {why}", file=sys.stderr)
+            return 2
         try:
             timeout_s = float(os.environ.get("PYBMOE_RPC_WAIT_S", RPC_WAIT_S))
         except ValueError:

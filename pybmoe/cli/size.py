@@ -3,12 +3,48 @@ rules live), from a routing trace when one is given; without one, no hit rate is
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from ..routing import sim, sizing
 from ..routing import trace as tr
+from . import paths
+
+#: Each numeric option's lower bound, whether the bound itself is accepted, and its unit (``check_args``).
+RANGES = {
+    "free_mb": ("--free-mb", 0, True, "MiB"),
+    "inserts": ("--inserts", 0, True, "uploads per layer per step"),
+    "stream_mb": ("--stream-mb", 0, False, "MiB"),
+    "disk_mib_s": ("--disk-mib-s", 0, False, "MiB/s"),
+    "n_gen": ("--n-gen", 1, True, "tokens"),
+    "step_overhead_ms": ("--step-overhead-ms", 0, True, "ms"),
+    "resident_tok_s": ("--resident-tok-s", 0, False, "tok/s"),
+    "ram_mib_s": ("--ram-mib-s", 0, False, "MiB/s"),
+}
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Checks every option of ``pybmoe size`` before any work (:data:`RANGES`; a number must be finite),
+    and that ``--stream-mb`` has what its prediction needs (``--trace``, the disk's bandwidth and the
+    compute's). Raises :class:`ValueError` naming the option, its value and what is accepted."""
+    for dest, (flag, lo, closed, unit) in RANGES.items():
+        values = getattr(a, dest)
+        for v in values if isinstance(values, list) else [values]:
+            if v is None:
+                continue
+            if not math.isfinite(v) or (v < lo if closed else v <= lo):
+                kind = "an integer" if isinstance(v, int) else "a number"
+                raise ValueError(f"{flag} {v:g}: accepted: {kind} {'>=' if closed else '>'} {lo:g} ({unit})")
+    if a.stream_mb:
+        missing = [what for what, ok in (("--trace", a.trace is not None),
+                                         ("--disk-mib-s or --probe-disk", a.disk_mib_s is not None or a.probe_disk),
+                                         ("--resident-tok-s or --ram-mib-s",
+                                          a.resident_tok_s is not None or a.ram_mib_s is not None)) if not ok]
+        if missing:
+            raise ValueError(f"--stream-mb {' '.join(f'{v:g}' for v in a.stream_mb)} needs {' and '.join(missing)} "
+                             "(a prediction replays the trace and times its reads and compute)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,6 +83,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="instead of --resident-tok-s: RAM read bandwidth, MiB/s (a token reads its experts)")
     a = ap.parse_args(argv)
     try:
+        check_args(a)
+    except ValueError as e:
+        print(f"pybmoe size: error: {e}", file=sys.stderr)
+        return 2
+    why = paths.model_error(a.model)
+    if why:
+        print(f"pybmoe size: error: {why}", file=sys.stderr)
+        return 2
+    try:
         shape = sizing.model_shape(a.model)
         t = tr.read_trace(a.trace) if a.trace else None
         rec = sizing.recommend(shape, free_mib=a.free_mb, trace=t, inserts=a.inserts)
@@ -75,10 +120,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for w in rec.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if a.stream_mb:
-        if t is None or (a.disk_mib_s is None and not a.probe_disk):
-            print("pybmoe size: error: --stream-mb needs --trace and --disk-mib-s or --probe-disk (and --resident-tok-s "
-                  "or --ram-mib-s)", file=sys.stderr)
-            return 2
         if a.probe_disk:
             from ..bench import disk
             pr = disk.probe(a.model)

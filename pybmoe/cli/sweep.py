@@ -12,6 +12,7 @@ import pandas as pd
 
 from .. import engine
 from ..bench import sweeps
+from . import paths
 
 
 def _list(text: str) -> list[int]:
@@ -75,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                 "bundled pybmoe/data/traffic.json)")
     ap.add_argument("--requests", type=int, default=None, help="server runner: send the first N requests only")
     a = ap.parse_args(argv)
+    why = paths.model_error(a.model) or paths.out_dir_error(a.out)
+    if why:
+        print(f"pybmoe sweep: error: {why}", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     try:
         res = sweeps.sweep(a.model, a.out, slots=a.slots, inserts=a.inserts, ubatch=a.ubatch, threads=a.threads,
@@ -86,6 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     n_requests=a.requests, max_batch=a.max_batch, sync=_modes(a.sync))
     except (ValueError, FileNotFoundError, engine.EngineError) as e:
         print(f"pybmoe sweep: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"pybmoe sweep: error: {paths.os_error_line(e)}", file=sys.stderr)
         return 2
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         print(sweeps.format_summary(res.summary))

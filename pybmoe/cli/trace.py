@@ -30,11 +30,12 @@ def _convert(argv: Sequence[str]) -> int:
                                  description="Read a routing trace and write the canonical columnar form.")
     ap.add_argument("input", type=Path, help="trace file: engine CSV, Parquet, granite JSON or JSONL route log; "
                                              "or granite (the bundled granite-3.0-1b-a400m trace)")
-    ap.add_argument("-o", "--output", type=Path, required=True, help="output .csv (engine format) or .parquet")
+    ap.add_argument("-o", "--output", type=Path, required=True, help="output .csv (engine format), .parquet or .pq (another suffix is refused)")
     ap.add_argument("--format", choices=tr.FORMATS, default="auto", help="input format (default: sniffed)")
     ap.add_argument("--workload", default=None, help="workload name for a JSONL log (default: the file name)")
     a = ap.parse_args(argv)
     try:
+        tr.output_format(a.output)  # before reading: a refused -o is the only line
         t = tr.read_trace(a.input, fmt=a.format, workload=a.workload)
         out = tr.write_trace(t, a.output)
     except (OSError, ValueError) as e:
@@ -118,6 +119,7 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
         print("pybmoe trace synth: error: --uniform needs --n-layer, --n-expert and --top-k", file=sys.stderr)
         return 2
     try:
+        tr.output_format(a.out)
         if a.uniform:
             out = synth.uniform(a.steps, n_layer=a.n_layer, n_expert=a.n_expert, top_k=a.top_k, seed=a.seed)
         else:

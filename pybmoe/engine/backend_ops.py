@@ -69,11 +69,22 @@ def table(results: list[CaseResult]) -> str:
     return "\n".join(lines)
 
 
+class UnknownBackendError(ValueError):
+    """A ``-b`` name that is none of the build's backends (``test-backend-ops`` skips every one of
+    them and runs nothing); the message names it and the accepted names."""
+
+
+def devices(output: str) -> list[str]:
+    """The backends (devices) ``test-backend-ops`` lists in its output, in its order (``Backend i/N: NAME``)."""
+    return [m.group(1) for m in (_BACKEND.match(_ANSI.sub("", ln)) for ln in output.splitlines()) if m]
+
+
 def run(backends: list[str] | None = None, timeout: float = 1800) -> tuple[list[CaseResult], str, int]:
     """Run the cases; ``backends`` names ``-b`` filters (default: ``CPU``, then every other backend).
 
     Returns ``(results, output, worst exit status of test-backend-ops)``.
-    Raises :class:`engine.EngineError` when ``test-backend-ops`` is not built.
+    Raises :class:`engine.EngineError` when ``test-backend-ops`` is not built, and
+    :class:`UnknownBackendError` for a name that is none of the build's backends.
     """
     exe = str(engine.find_binary("test-backend-ops"))
     runs = [["-b", b] for b in backends] if backends else [["-b", "CPU"], []]  # [] = all non-CPU backends
@@ -82,6 +93,10 @@ def run(backends: list[str] | None = None, timeout: float = 1800) -> tuple[list[
     for extra in runs:
         r = subprocess.run([exe, "-o", "MUL_MAT_ID", "-p", "dup=", *extra], capture_output=True, text=True,
                            timeout=timeout)
+        names = devices(r.stdout)
+        if extra and names and extra[1] not in names:
+            raise UnknownBackendError(f"-b {extra[1]}: this build has no such backend; accepted: {', '.join(names)} "
+                                      "(names are case-sensitive)")
         text += r.stdout + r.stderr
         results += parse(r.stdout)
         worst = max(worst, r.returncode)

@@ -5,7 +5,8 @@ A :class:`MemoryLimit` is a child cgroup with a memory limit (cgroup v1's memory
 turns a command into one that joins the cgroup before it starts, so the page cache the process
 fills counts against the limit too: a memory-mapped model larger than the limit thrashes, as it
 would on a phone or a small laptop. :func:`drop_caches` empties the page cache (root only), for
-cold-cache runs.
+cold-cache runs; :func:`drop_file_cache` drops one file's pages (no root needed), and
+:func:`cached_bytes` says how much of a file is cached.
 
 Creating a cgroup needs root. :func:`limit_available` says whether it can be done here, and why
 not; callers say so and run without a limit.
@@ -123,6 +124,58 @@ def read_oom_kills(path: Path, v1: bool) -> int | None:
     except OSError:
         pass
     return None
+
+
+def cached_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the file ``path`` in the page cache now (``mincore`` over a read-only mapping of it:
+    the kernel's own count, a page at a time; the mapping touches no page). Raises :class:`OSError`
+    when the file cannot be opened or mapped."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), os.fspath(path))
+        try:
+            n = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * n)()
+            if libc.mincore(addr, size, vec) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), os.fspath(path))
+            resident = sum(b & 1 for b in bytes(vec))
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return min(resident * page, size)
+
+
+def drop_file_cache(path: str | os.PathLike) -> int:
+    """Drops the file ``path``'s pages from the page cache (its dirty pages written back first, then
+    ``posix_fadvise(POSIX_FADV_DONTNEED)``: no root needed), so that a process started after it reads
+    the file from the disk and its memory limit counts those reads, whichever cgroup the pages were
+    charged to before (the writer's, after ``pybmoe make-model``). Pages another process keeps mapped
+    stay. Returns the bytes that were cached before. Raises :class:`OSError` when the file cannot be
+    opened or the advice is refused."""
+    before = cached_bytes(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)  # written-back pages can be dropped; dirty ones cannot
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return before
 
 
 def drop_caches() -> bool:

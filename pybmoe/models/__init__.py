@@ -12,17 +12,18 @@ Imports only ``pybmoe.build`` (the pinned tree's vocab file) below it (``tests/t
 from __future__ import annotations
 
 from .writer import (ARCHES, FTYPES, GENERATOR_VERSION, GRANITE_TRACE_SPEC, KV, MAX_EXPERTS, MAX_LAYERS, QK_K,
-                     RMS_EPS, ROPE_FREQ_BASE, VOCAB_FILE, ArchDef, Metadata, ModelSpec, MoeShape, TensorInfo,
-                     attention_plan, cache_dir, cached_model_file, cached_model_path, check_complete, copy_with_tensor_values,
-                     default_model_path,
+                     RMS_EPS, ROPE_FREQ_BASE, VOCAB_FILE, ArchDef, Metadata, ModelFileError, ModelSpec, MoeShape, TensorInfo,
+                     attention_plan, cache_dir, cached_model_file, cached_model_path, check_complete, check_gguf,
+                     copy_with_tensor_values, default_model_path,
                      default_vocab_path, embd_qtype, expert_bytes, make_model, quantize, quantize_q4_k,
                      read_metadata, read_spec, split_files, read_tensor, register_arch, row_bytes, tensor_nbytes,
                      tensor_plan, tokenizer_kvs, write_model)
 from . import archs  # noqa: E402,F401  (the architectures register themselves with the writer)
 
 __all__ = ["ARCHES", "FTYPES", "GENERATOR_VERSION", "GRANITE_TRACE_SPEC", "KV", "MAX_EXPERTS", "MAX_LAYERS", "QK_K",
-           "RMS_EPS", "ROPE_FREQ_BASE", "VOCAB_FILE", "ArchDef", "Metadata", "ModelSpec", "MoeShape", "TensorInfo",
-           "attention_plan", "cache_dir", "cached_model_file", "cached_model_path", "check_complete", "copy_with_tensor_values", "default_model_path",
+           "RMS_EPS", "ROPE_FREQ_BASE", "VOCAB_FILE", "ArchDef", "Metadata", "ModelFileError", "ModelSpec", "MoeShape", "TensorInfo",
+           "attention_plan", "cache_dir", "cached_model_file", "cached_model_path", "check_complete", "check_gguf",
+           "copy_with_tensor_values", "default_model_path",
            "default_vocab_path", "embd_qtype", "expert_bytes", "make_model", "quantize", "quantize_q4_k",
            "read_metadata", "read_spec", "split_files", "read_tensor", "register_arch", "row_bytes", "tensor_nbytes", "tensor_plan", "tokenizer_kvs",
            "write_model"]

@@ -42,7 +42,8 @@ wider (``2/sqrt(n_embd)``) so different tokens pick different experts.
 
 Errors: :class:`ValueError` for a bad shape, ftype or architecture (the
 message names the value and the accepted range), :class:`FileNotFoundError`
-when the vocab file is missing.
+when the vocab file is missing, :class:`ModelFileError` (:func:`check_gguf`) for a path that is not a
+complete GGUF file.
 """
 from __future__ import annotations
 
@@ -474,6 +475,47 @@ def check_complete(path: str | os.PathLike, meta: Metadata | None = None) -> Non
             raise ValueError(f"{path} is truncated: the data of tensor {t.name!r} ends at byte {end}, past the end "
                              f"of the file ({size} bytes; {end - size} missing): the model is incomplete (an "
                              "interrupted download or copy?), and llama.cpp refuses it too")
+
+
+class ModelFileError(ValueError):
+    """A path that is not a complete GGUF file: missing, a folder, unreadable, empty, not GGUF, or
+    truncated. The message names the path and what is wrong with it, in one line."""
+
+
+def check_gguf(path: str | os.PathLike) -> Metadata:
+    """Checks that ``path`` is a complete GGUF file, as llama.cpp would load it (every shard of a
+    split GGUF given by its first file), and returns its header. Only the header is read, so a check
+    costs milliseconds whatever the model's size.
+
+    Raises :class:`ModelFileError` (a :class:`ValueError`) naming the path and what is wrong: it does
+    not exist, is a folder or not a regular file, cannot be read, is empty, is not a GGUF file, has
+    its header cut off, misses a shard, or is truncated (a tensor's data past its end).
+    """
+    p = Path(os.fspath(path))
+    accepted = "accepted: a GGUF file"
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        where = p.parent if str(p.parent) not in ("", ".") else Path(".")
+        why = "no such file" if where.is_dir() else f"no such file (the folder {where} does not exist)"
+        raise ModelFileError(f"{p}: {why}; {accepted}") from None
+    except OSError as e:
+        raise ModelFileError(f"{p}: cannot be read ({(e.strerror or str(e)).lower()}); {accepted}") from None
+    if p.is_dir():
+        raise ModelFileError(f"{p} is a directory; {accepted} (the first file of a split GGUF)")
+    if not p.is_file():
+        raise ModelFileError(f"{p} is not a regular file; {accepted}")
+    if st.st_size == 0:
+        raise ModelFileError(f"{p} is empty (0 bytes; an interrupted download or copy?); {accepted}")
+    if not os.access(p, os.R_OK):
+        raise ModelFileError(f"{p}: cannot be read (permission denied); {accepted}")
+    try:
+        meta = read_metadata(p)
+        for f in split_files(p):
+            check_complete(f, meta if f == p else None)
+    except (ValueError, OSError) as e:
+        raise ModelFileError(str(e)) from None
+    return meta
 
 
 @dataclass(frozen=True)

@@ -722,15 +722,31 @@ def read_trace(path: str | Path, *, fmt: str = "auto", workload: str | None = No
     return read_route_jsonl(path, workload=workload)
 
 
+#: The output formats of :func:`write_trace` by file name suffix (``fmt="auto"``).
+OUTPUT_SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+
+
+def output_format(path: str | Path) -> str:
+    """The format :func:`write_trace` writes to ``path`` (``csv`` or ``parquet``), from its suffix
+    (:data:`OUTPUT_SUFFIXES`). Raises :class:`TraceFormatError` for another suffix, naming the accepted ones
+    (rather than CSV written into a ``.txt`` unannounced)."""
+    path = Path(path)
+    if path.suffix.lower() not in OUTPUT_SUFFIXES:
+        what = f"{path.suffix!r} is not a trace file's suffix" if path.suffix else "no suffix names its format"
+        raise TraceFormatError(f"{path}: {what}; accepted: .csv (the engine's --moe-trace CSV), .parquet or .pq")
+    return OUTPUT_SUFFIXES[path.suffix.lower()]
+
+
 def write_trace(trace: Trace, path: str | Path, *, fmt: str = "auto") -> Path:
     """Write ``trace`` as an engine CSV (``fmt="csv"``) or Parquet (``fmt="parquet"``).
 
-    ``auto`` picks Parquet for a ``.parquet``/``.pq`` suffix and CSV otherwise. The CSV is the
-    engine's ``--moe-trace`` format, so the file reads back with :func:`read_trace`. Returns the path.
+    ``auto`` picks the format from the suffix (:func:`output_format`: ``.csv``, ``.parquet`` or
+    ``.pq``; any other is a :class:`TraceFormatError`). The CSV is the engine's ``--moe-trace``
+    format, so the file reads back with :func:`read_trace`. Returns the path.
     """
     path = Path(path)
     if fmt == "auto":
-        fmt = "parquet" if path.suffix in (".parquet", ".pq") else "csv"
+        fmt = output_format(path)
     if fmt not in ("csv", "parquet"):
         raise TraceFormatError(f"output format {fmt!r}; accepted: csv, parquet")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -746,6 +762,45 @@ def write_trace(trace: Trace, path: str | Path, *, fmt: str = "auto") -> Path:
         f.write(trace.meta.header_line() + "\n")
         trace.frame.to_csv(f, index=False, lineterminator="\n")
     return path
+
+
+def replay_mismatch(trace: Trace, model: str | Path) -> str | None:
+    """Why the engine's ``--moe-route-replay`` would refuse ``trace`` on the GGUF ``model``, in one
+    sentence, or None when it would replay it. The engine's own checks (``llama-moe-replay.cpp``), made
+    from the model's header before a run: every layer of the trace is a MoE layer of the model, every
+    rank is below its top-k, every expert below its experts per layer, and every MoE layer has rows.
+    Raises :class:`ValueError` for a model that is not GGUF."""
+    from .. import models
+    meta = models.read_metadata(model)
+    layers = sorted({int(t.name.split(".")[1]) for t in meta.tensors
+                     if t.name.startswith("blk.") and t.name.endswith("_exps.weight") and len(t.shape) == 3})
+    n_expert = max((int(t.shape[2]) for t in meta.tensors if t.name.endswith("_exps.weight") and len(t.shape) == 3),
+                   default=0)
+    arch = meta.kvs["general.architecture"].value if "general.architecture" in meta.kvs else b"?"
+    arch = arch.decode() if isinstance(arch, bytes) else str(arch)
+    key = f"{arch}.expert_used_count"
+    top_k = int(meta.kvs[key].value) if key in meta.kvs else 0
+    f = trace.frame
+    t_layers = sorted(int(x) for x in trace.layers)
+    t_rank = int(f["rank"].max()) + 1 if len(f) else 0
+    t_expert = int(f["expert"].max()) + 1 if len(f) else 0
+    ours = f"{len(layers)} MoE layers, {n_expert} experts, top-{top_k}"
+    theirs = f"{len(t_layers)} layers, {trace.meta.n_expert} experts, top-{trace.meta.n_expert_used}"
+    if not layers:
+        why = "the model has no MoE layers"
+    elif [x for x in t_layers if x not in set(layers)]:
+        bad = [x for x in t_layers if x not in set(layers)]
+        why = f"the trace's layer {bad[0]} is not a MoE layer of the model"
+    elif t_rank > top_k:
+        why = f"the trace routes {t_rank} experts a token where the model's top-k is {top_k}"
+    elif t_expert > n_expert:
+        why = f"the trace names expert {t_expert - 1} where the model has {n_expert} per layer"
+    elif [x for x in layers if x not in set(t_layers)]:
+        bad = [x for x in layers if x not in set(t_layers)]
+        why = f"the model's MoE layer {bad[0]} has no rows in the trace"
+    else:
+        return None
+    return f"{why}: the trace is of another shape ({theirs}) than {Path(model).name} ({ours})"
 
 
 # --------------------------------------------------------------------------- statistics

@@ -96,6 +96,25 @@ def test_parquet_round_trip(tmp_path):
     pd.testing.assert_frame_equal(back.frame, t.frame)
 
 
+@pytest.mark.parametrize("name", ["out.txt", "out", "out.CSV.bak"])
+def test_an_output_suffix_that_names_no_format_is_refused(tmp_path, capsys, name):
+    """Issue 52, item 6: `pybmoe trace convert granite -o out.txt` wrote CSV into a .txt without a word. A
+    suffix that is not .csv, .parquet or .pq is refused in one line naming the accepted ones, before the
+    input is read, and nothing is written; the accepted ones still write (case aside)."""
+    out = tmp_path / name
+    assert trace_cli.main(["convert", "granite", "-o", str(out)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1, cap.err
+    assert cap.err.startswith(f"pybmoe trace: error: {out}: ") and "accepted: .csv (the engine's --moe-trace CSV), " \
+        ".parquet or .pq" in cap.err
+    assert not out.exists()
+    assert trace_cli.synth_main(["--from", "granite", "--steps", "4", "--out", str(out)]) == 2
+    assert "accepted: .csv" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(tr.TraceFormatError, match="accepted: .csv"):
+        tr.write_trace(small_trace(), out)
+    assert tr.read_trace(tr.write_trace(small_trace(), tmp_path / "t.CSV")).meta == small_trace().meta
+
+
 @pytest.mark.parametrize("first,second,message", [
     ("# other-trace v1 n_layer=1", None, "line 1 is"),
     ("# pybmoe-trace v2 n_layer=1 n_expert=2 n_expert_used=1", None, "trace format 'v2'; accepted: v1"),
