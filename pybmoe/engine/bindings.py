@@ -141,6 +141,13 @@ class MoeStreamStatsC(ctypes.Structure):
         ("direct_io", ctypes.c_int32),
         ("prefetch_bytes", ctypes.c_uint64),
         ("prefetch_used", ctypes.c_uint64),
+        ("kv_committed_bytes", ctypes.c_uint64),
+        ("kv_capacity_bytes", ctypes.c_uint64),
+        ("kv_released_bytes", ctypes.c_uint64),
+        ("free_bytes", ctypes.c_uint64),
+        ("n_yields", ctypes.c_uint64),
+        ("n_grows", ctypes.c_uint64),
+        ("elastic", ctypes.c_int32),
     ]
 
 
@@ -205,8 +212,12 @@ class MoeStreamStats:
     process's major page faults since the tier started; direct_io: O_DIRECT reads (else buffered);
     prefetch_mib / prefetch_used_mib: MiB the prefetch read ahead during prefill steps, and of them the
     MiB a step then used. resident_mib can exceed budget_mib by the prefetch window, which decode
-    holds as cache entries (docs/stream-tier.md, "Prefetch"). These are the fields of the engine's
-    ``moe-stream:`` summary line (which ``verbose=False`` does not print).
+    holds as cache entries (docs/stream-tier.md, "Prefetch"). kv_committed_mib / kv_capacity_mib: what the
+    contexts' host KV caches hold now (the pages written) and their capacity, MiB; kv_released_mib: MiB
+    freed cells gave back; free_mib: the memory free at the governor's last reading; yields / grows: the
+    times the governor shrank and grew the budget; elastic: the contexts commit memory as they fill and the
+    budget follows the memory (docs/stream-tier.md, "Serving under a memory limit"). These are the
+    fields of the engine's ``moe-stream:`` summary line (which ``verbose=False`` does not print).
     """
 
     hits: int
@@ -223,6 +234,13 @@ class MoeStreamStats:
     direct_io: bool
     prefetch_mib: float = 0.0
     prefetch_used_mib: float = 0.0
+    kv_committed_mib: float = 0.0
+    kv_capacity_mib: float = 0.0
+    kv_released_mib: float = 0.0
+    free_mib: float = 0.0
+    yields: int = 0
+    grows: int = 0
+    elastic: bool = False
 
     @property
     def read_mib_per_token(self) -> float:
@@ -873,12 +891,13 @@ class Llama(llama_cpp.Llama):
         moe_expert_cache_admit: which misses are uploaded (``--moe-expert-cache-admit``): ``"always"``
             (the default), ``"second-miss"`` (an expert that also missed at one of its layer's last 4
             steps) or ``"second-miss:W"`` (W in 1 .. 1024 steps); anything else is a ValueError.
-        cpu_moe: keep every MoE expert tensor in host memory (``--cpu-moe``).
+        cpu_moe: keep every MoE expert tensor in host memory (``--cpu-moe``): True or False (anything
+            else is a ValueError, as for ``repack``).
         n_cpu_moe: keep the experts of the first N layers in host memory (``--n-cpu-moe``).
         override_tensor: ``"pattern=BUFT,..."`` or a list of ``(pattern, buft name)`` (``-ot``).
-        rpc_servers: ``"host:port,..."``: ggml-rpc-server devices to offload to (``--rpc``). Each
-            ``Llama`` offloads to its own only: a server another ``Llama`` of the process named stays
-            registered, but is not this one's device.
+        rpc_servers: ``"host:port,..."`` (a str; anything else is a ValueError): ggml-rpc-server
+            devices to offload to (``--rpc``). Each ``Llama`` offloads to its own only: a server
+            another ``Llama`` of the process named stays registered, but is not this one's device.
         repack: let host weights use repacked layouts (``--no-repack`` is ``repack=False``).
         moe_stream_cache_mb: the stream tier's RAM budget in MiB (int in 0 .. 2**31 - 1), or
             ``"auto"`` (available memory minus the dense weights, the read buffers and
@@ -906,8 +925,9 @@ class Llama(llama_cpp.Llama):
             engine refuses a trace of another shape, a ValueError carrying its reason.
 
     Raises:
-        ValueError: a bad cache value or override, an unreachable RPC server, or a model that
-            does not load (as ``llama_cpp.Llama``, with the loader's reason, whatever the verbosity:
+        ValueError: a ``model_path`` that is not a path (None), a bad cache value or override, a
+            ``cpu_moe`` or ``repack`` that is not a bool, an ``rpc_servers`` that is not a str, an
+            unreachable RPC server, or a model that does not load (as ``llama_cpp.Llama``, with the loader's reason, whatever the verbosity:
             a truncated or non-GGUF file; a directory is named as one). A cache that was asked for but cannot engage
             raises too: with no device at all (no GPU build, no ``rpc_servers``) the message says
             so; otherwise it carries the engine's WARN/ERROR lines, whatever the verbosity. An
@@ -960,11 +980,20 @@ class Llama(llama_cpp.Llama):
         self._stack = contextlib.ExitStack()  # llama_cpp's __del__ needs it even when we raise first
         _install_log()
         _check_kwargs(set(inspect.signature(Llama.__init__).parameters) - {"self", "kwargs"}, kwargs)
+        if isinstance(model_path, bytes) or not isinstance(model_path, (str, os.PathLike)) or not os.fspath(model_path):
+            raise ValueError(f"model_path={model_path!r} is invalid; accepted: the path of a GGUF file (a str or "
+                             "path-like, e.g. models.default_model_path())")
         if os.path.isdir(model_path):
             raise ValueError(f"model_path {os.fspath(model_path)} is a directory; accepted: a GGUF file (the first "
                              "file of a split GGUF)")
         if not isinstance(moe_expert_cache_sync, bool):
             raise ValueError(f"moe_expert_cache_sync must be True or False, got {moe_expert_cache_sync!r}")
+        for name, v in (("cpu_moe", cpu_moe), ("repack", repack)):
+            if not isinstance(v, bool):
+                raise ValueError(f"{name}={v!r} is invalid; accepted: True or False")
+        if rpc_servers is not None and not isinstance(rpc_servers, str):
+            raise ValueError(f"rpc_servers={rpc_servers!r} is invalid; accepted: a str of host:port endpoints, "
+                             "comma-separated (e.g. '127.0.0.1:50052'), or None")
         if dense_weights not in DENSE_POLICIES:
             raise ValueError(f"dense_weights={dense_weights!r} is invalid; accepted: {', '.join(DENSE_POLICIES)}")
         cache_mb = _check_count("moe_expert_cache_mb", moe_expert_cache_mb, auto=LLAMA_MOE_CACHE_AUTO)
@@ -1137,7 +1166,9 @@ class Llama(llama_cpp.Llama):
         return MoeStreamStats(st.hits, st.misses, st.read_bytes / mib, st.resident_bytes / mib, st.budget_bytes / mib,
                               st.min_bytes / mib, st.total_bytes / mib, st.n_tokens, st.io_wait_us / 1e6,
                               st.major_faults, st.n_layers, bool(st.direct_io), st.prefetch_bytes / mib,
-                              st.prefetch_used / mib)
+                              st.prefetch_used / mib, st.kv_committed_bytes / mib, st.kv_capacity_bytes / mib,
+                              st.kv_released_bytes / mib, st.free_bytes / mib, st.n_yields, st.n_grows,
+                              bool(st.elastic))
 
     def set_moe_stream_budget_mb(self, budget_mb: int) -> int:
         """Sets the stream tier's budget (MiB) between generations; a shrink evicts the least

@@ -33,6 +33,24 @@ def test_bad_arguments_raise_value_error(model_q8, bad):
         bindings.Llama(str(model_q8), verbose=False, **bad)
 
 
+@pytest.mark.parametrize("kw,msg", [
+    ({"model_path": None}, r"^model_path=None is invalid; accepted: the path of a GGUF file \(a str or path-like"),
+    ({"model_path": ""}, r"^model_path='' is invalid; accepted: the path of a GGUF file"),
+    ({"rpc_servers": 12345}, r"^rpc_servers=12345 is invalid; accepted: a str of host:port endpoints, comma-separated"),
+    ({"rpc_servers": ["127.0.0.1:50052"]}, r"^rpc_servers=\['127.0.0.1:50052'\] is invalid; accepted: a str"),
+    ({"cpu_moe": "yes"}, r"^cpu_moe='yes' is invalid; accepted: True or False$"),
+    ({"cpu_moe": 1}, r"^cpu_moe=1 is invalid; accepted: True or False$"),
+    ({"repack": "no"}, r"^repack='no' is invalid; accepted: True or False$"),
+])
+def test_a_keyword_of_the_wrong_kind_names_the_value_and_what_is_accepted(model_q8, kw, msg):
+    """Issue 52, item 6: rpc_servers=12345 raised AttributeError ('int' object has no attribute 'split'),
+    model_path=None a TypeError from os.stat, and cpu_moe="yes" was taken as True: each is a ValueError
+    naming the value and what is accepted, raised before anything loads."""
+    kw = {"model_path": str(model_q8), **kw}
+    with pytest.raises(ValueError, match=msg):
+        bindings.Llama(verbose=False, **kw)
+
+
 @pytest.mark.parametrize("kw,msg", [({"moe_stream_cache_mb": 10**12}, r"moe_stream_cache_mb=1000000000000 is invalid; "
                                                                       r"accepted: an integer in 0 \.\. 2147483647"),
                                     ({"moe_stream_cache_mb": 2**31}, r"an integer in 0 \.\. 2147483647 or 'auto'"),
