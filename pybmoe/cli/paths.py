@@ -37,19 +37,28 @@ def os_error_line(e: OSError, what: str = "") -> str:
 
 
 def out_dir_error(path: Path, option: str = "--out") -> str | None:
-    """Why ``path`` cannot be the output folder, in one line, or None when it can: the folder is
-    created (with its parents) when missing, then must be a folder this process can write into."""
+    """Why ``path`` cannot be the output folder, in one line, or None when it can. A folder that is
+    there must be one this process can write into; a missing one is created as a trial (with its
+    missing parents) and removed again, so that nothing is left behind when a later check refuses the
+    command (the work creates it for good)."""
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            return f"{option} {path}: it is a file; accepted: a folder (created when missing)"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"{option} {path}: the folder cannot be written (permission denied)"
+        return None
+    missing = [p for p in [path, *path.parents] if not (p.exists() or p.is_symlink())]
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        return f"{option} {path}: it is a file; accepted: a folder (created when missing)"
+        path.mkdir(parents=True)
     except OSError as e:
         where = f" ({e.filename})" if e.filename is not None and Path(e.filename) != path else ""
-        return f"{option} {path}: cannot create the folder{where}: {os_reason(e)}; accepted: a folder that can be created and written"
-    if not path.is_dir():
-        return f"{option} {path}: it is not a folder; accepted: a folder (created when missing)"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"{option} {path}: the folder cannot be written (permission denied)"
+        return (f"{option} {path}: cannot create the folder{where}: {os_reason(e)}; accepted: a folder that can be "
+                "created and written")
+    for p in missing:  # the deepest first
+        try:
+            p.rmdir()
+        except OSError:
+            break
     return None
 
 

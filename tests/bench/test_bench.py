@@ -235,5 +235,5 @@ def test_bad_input_fails_early(model_q8, tmp_path, capsys, argv, message):
 def test_missing_model_fails_early(tmp_path, capsys):
     rc = cli.main(["sweep", "-m", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "o"), "--no-progress"])
     assert rc == 2
-    assert "nope.gguf not found" in capsys.readouterr().err
+    assert f"{tmp_path / 'nope.gguf'}: no such file; accepted: a GGUF file" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
