@@ -24,6 +24,9 @@ int64_t llama_moe_fit_budget(const llama_moe_fit_input & in, int64_t ctx_bytes) 
 }
 
 static int64_t llama_moe_fit_target(const llama_moe_fit_input & in) {
+    if (in.elastic) {
+        return in.least_bytes; // the room a context leaves while it fills is lent back at run time
+    }
     int64_t t = in.cycle_bytes + in.cycle_bytes * in.margin_pct / 100;
     t = std::min(t, in.cap_bytes); // every expert resident: no cycle to keep
     if (!in.is_auto) {
@@ -93,7 +96,7 @@ llama_moe_fit_plan llama_moe_fit_make_plan(const llama_moe_fit_input & in, const
     // every MiB of context is a MiB the experts lose, and decode's hit rate grows with every MiB above the
     // cycle (docs/stream-tier.md, "Serving under a memory limit")
     int64_t target = p.target_bytes;
-    if (!in.user_sized) {
+    if (!in.user_sized && !in.elastic) {
         const uint32_t seq_least = in.unified ? p.n_seq : 1;
         const int64_t  step      = 256 * (in.unified ? 1 : (int64_t) seq_least);
         const int64_t  n_least   = std::min<int64_t>(p.n_ctx, llama_moe_fit_div_up(in.n_ctx_min, step) * step);
@@ -173,6 +176,11 @@ llama_moe_fit_plan llama_moe_fit_make_plan(const llama_moe_fit_input & in, const
         }
     }
     p.clamped = !in.is_auto && p.status != LLAMA_MOE_PLAN_REFUSED && p.budget_bytes < std::min(in.fixed_bytes, in.cap_bytes);
+    if (in.elastic && p.status != LLAMA_MOE_PLAN_REFUSED) {
+        const int64_t step = 256 * (in.unified ? 1 : (int64_t) p.n_seq);
+        p.now_bytes  = step < (int64_t) p.n_ctx ? measured((uint32_t) step, p.n_seq) : p.ctx_bytes;
+        p.budget_now = p.now_bytes >= 0 ? std::max(llama_moe_fit_budget(in, p.now_bytes), p.budget_bytes) : p.budget_bytes;
+    }
     return p;
 }
 
@@ -219,6 +227,20 @@ std::string llama_moe_fit_describe(const llama_moe_fit_input & in, const llama_m
     const int64_t asked_budget = llama_moe_fit_budget(in, p.asked_bytes);
     std::string s = llama_moe_fit_fmt("fit: %.0f MiB for the contexts and the experts; %s takes %.1f MiB of host memory",
             std::max<int64_t>(in.room_bytes, 0) / mib, asked.c_str(), p.asked_bytes / mib);
+    if (in.elastic && p.status != LLAMA_MOE_PLAN_REFUSED) {
+        const std::string full = llama_moe_fit_fmt("budget %.1f MiB now (the contexts empty: %.1f MiB of them), %.1f MiB "
+                "when every context is full (the tier's minimum: %.1f MiB%s)", p.budget_now / mib,
+                std::max<int64_t>(p.now_bytes, 0) / mib, p.budget_bytes / mib, in.least_bytes / mib,
+                p.budget_bytes < in.cycle_bytes ? llama_moe_fit_fmt("; under the cache cycle of %.1f MiB once they fill",
+                        in.cycle_bytes / mib).c_str() : "");
+        if (p.n_ctx != in.n_ctx || p.n_seq != in.n_seq) {
+            s += llama_moe_fit_fmt("; full, it would leave the experts %.1f MiB, under the tier's minimum -> shrunk to %s "
+                    "(%.1f MiB full): %s", asked_budget / mib, got.c_str(), p.ctx_bytes / mib, full.c_str());
+        } else {
+            s += llama_moe_fit_fmt(" when full -> %s: kept", full.c_str());
+        }
+        return s;
+    }
     switch (p.status) {
         case LLAMA_MOE_PLAN_KEPT:
             s += llama_moe_fit_fmt(" -> budget %.1f MiB, at or above %s: kept", p.budget_bytes / mib, target.c_str());

@@ -42,6 +42,12 @@ struct llama_moe_fit_input {
     bool     unified     = true;
     uint32_t n_ctx_min   = 4096; // a shrink stops here, tokens in all
     bool     user_sized  = false; // -c was given (or --fit off): never shrunk
+
+    // elastic (the stream tier's default): a context's KV cache commits memory as it fills and the budget
+    // yields to it at run time, so a context is shrunk only so far that its FULL size fits beside the dense
+    // weights and the tier's minimum (the target is the minimum); the room it leaves while it is empty is
+    // lent to the experts
+    bool     elastic     = false;
 };
 
 // the contexts' host memory (KV cache, compute, output of every context the run creates) at a context
@@ -71,6 +77,10 @@ struct llama_moe_fit_plan {
                                    // that keeps the target, else the minimum (0: none)
     bool     suggest_keeps = false; // suggest_ctx keeps the target (not only the minimum)
     int      n_measured   = 0; // contexts measured
+    // elastic: the contexts' host memory with their KV caches empty (measured at the least context of
+    // n_seq slots), and the budget beside it: the budget now, before any context fills
+    int64_t  now_bytes    = -1;
+    int64_t  budget_now   = 0;
 };
 
 // the budget beside contexts of ctx_bytes: auto takes the room left in whole entries, a fixed budget

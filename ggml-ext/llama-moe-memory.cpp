@@ -20,6 +20,17 @@ uint64_t llama_moe_mem_avail::avail() const {
     return a;
 }
 
+uint64_t llama_moe_mem_avail::free_now() const {
+    uint64_t a = meminfo;
+    if (cgroup_limit > 0) {
+        const uint64_t unmapped = cgroup_file > cgroup_mapped ? cgroup_file - cgroup_mapped : 0;
+        const uint64_t used = cgroup_usage > unmapped ? cgroup_usage - unmapped : 0;
+        const uint64_t c = cgroup_limit > used ? cgroup_limit - used : 0;
+        a = a ? std::min(a, c) : c;
+    }
+    return a;
+}
+
 uint64_t llama_moe_mem_avail::limit() const {
     if (cgroup_limit > 0) {
         return memtotal ? std::min(cgroup_limit, memtotal) : cgroup_limit;
@@ -49,16 +60,19 @@ static uint64_t llama_moe_read_u64(const std::string & path) {
     return strtoull(s.c_str(), nullptr, 10);
 }
 
-static uint64_t llama_moe_stat_field(const std::string & path, const std::string & key) {
+// the values of `key` and `key2` in a "key value" stat file
+static void llama_moe_stat_fields(const std::string & path, const std::string & key, uint64_t & v1,
+                                  const std::string & key2, uint64_t & v2) {
     std::ifstream f(path);
     std::string k;
     uint64_t v;
     while (f >> k >> v) {
         if (k == key) {
-            return v;
+            v1 = v;
+        } else if (k == key2) {
+            v2 = v;
         }
     }
-    return 0;
 }
 
 llama_moe_mem_avail llama_moe_read_mem_avail() {
@@ -87,18 +101,18 @@ llama_moe_mem_avail llama_moe_read_mem_avail() {
         }
         const std::string ctrl = line.substr(a + 1, b - a - 1);
         const std::string rel  = line.substr(b + 1);
-        uint64_t limit = 0, usage = 0, file = 0;
+        uint64_t limit = 0, usage = 0, file = 0, mapped = 0;
         std::string dir;
         if (ctrl.empty()) {
             dir      = m.root + "/sys/fs/cgroup" + rel;
             limit    = llama_moe_read_u64(dir + "/memory.max");
             usage    = llama_moe_read_u64(dir + "/memory.current");
-            file     = llama_moe_stat_field(dir + "/memory.stat", "file");
+            llama_moe_stat_fields(dir + "/memory.stat", "file", file, "file_mapped", mapped);
         } else if (("," + ctrl + ",").find(",memory,") != std::string::npos) {
             dir      = m.root + "/sys/fs/cgroup/memory" + rel;
             limit    = llama_moe_read_u64(dir + "/memory.limit_in_bytes");
             usage    = llama_moe_read_u64(dir + "/memory.usage_in_bytes");
-            file     = llama_moe_stat_field(dir + "/memory.stat", "total_cache");
+            llama_moe_stat_fields(dir + "/memory.stat", "total_cache", file, "total_mapped_file", mapped);
         } else {
             continue;
         }
@@ -107,6 +121,7 @@ llama_moe_mem_avail llama_moe_read_mem_avail() {
             m.cgroup_limit = limit;
             m.cgroup_usage = usage;
             m.cgroup_file  = file;
+            m.cgroup_mapped = mapped;
             m.cgroup = dir;
         }
     }

@@ -17,12 +17,19 @@ struct llama_moe_mem_avail {
     uint64_t cgroup_limit   = 0; // the process's cgroup (v2 memory.max, v1 memory.limit_in_bytes); 0: none
     uint64_t cgroup_usage   = 0;
     uint64_t cgroup_file    = 0; // page cache charged to the cgroup: reclaimable (the dense weights are counted apart)
+    uint64_t cgroup_mapped  = 0; // of it, pages mapped by a process (v1 total_mapped_file, v2 file_mapped)
     std::string cgroup;          // the cgroup folder the limit came from
     std::string root;            // PYBMOE_MEM_ROOT when set, else empty
 
     // what the process may still use, bytes: MemAvailable, or the cgroup's limit minus its usage less its
     // page cache when that is smaller (in a container MemAvailable is the host's)
     uint64_t avail() const;
+
+    // what may still be committed now, bytes, with this process running: MemAvailable, or the cgroup's limit
+    // less its usage, where page cache counts as free unless it is mapped (the dense weights in their map are
+    // in use), when that is smaller (0: not known). The stream tier's governor reads it at run time; avail()
+    // is the figure at load, before the dense weights are counted apart.
+    uint64_t free_now() const;
 
     // the memory this process lives in, bytes: the cgroup's limit, else MemTotal (0: not known)
     uint64_t limit() const;

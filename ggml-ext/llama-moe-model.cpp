@@ -54,8 +54,11 @@ void llama_moe_cache_on_context_init(const llama_model & model, const void * ctx
     // the context's compute threads (decode and batch), for the overlap's auto rule
     auto * lctx = (llama_context *) const_cast<void *>(ctx);
     const int32_t n_threads = std::max(llama_n_threads(lctx), llama_n_threads_batch(lctx));
+    // the KV bytes of one full ubatch's new cells (each token takes one cell of every layer)
+    const uint32_t n_ctx     = std::max<uint32_t>(1, llama_n_ctx(lctx));
+    const int64_t  kv_ubatch = (int64_t) ((double) kv * std::min(llama_n_ubatch(lctx), n_ctx) / n_ctx);
     mc->stream.on_context(ctx, (int64_t) (kv + compute + output), (int64_t) kv, (int64_t) compute, (int64_t) output,
-                          n_threads);
+                          kv_ubatch, n_threads);
 }
 
 void llama_moe_cache_on_context_free(const llama_model & model, const void * ctx) {
@@ -138,6 +141,11 @@ void llama_moe_cache_before_ubatch(const llama_model & model) {
     }
     if (mc->active()) {
         mc->graph_mutex.lock(); // released at the end of llama_moe_cache_after_ubatch
+    }
+    if (mc->stream.on()) {
+        // the governor's turn, before this ubatch commits new KV cells (evict, then run)
+        std::lock_guard<std::mutex> lock(mc->mutex);
+        mc->stream.govern(false);
     }
     mc->n_busy++;
 }

@@ -5,9 +5,13 @@
 // Holds: what changes when a context is created or freed, or the budget is set. Must not hold: the
 // per-step graph op (llama-moe-stream.cpp) or load-time sizing (llama-moe-stream-init.cpp).
 
+#include "llama-moe-governor.h"
+#include "llama-moe-memory.h"
 #include "llama-moe-model.h"
 
 #include "llama-impl.h"
+
+#include "ggml.h"
 
 #include <algorithm>
 
@@ -15,7 +19,7 @@
 // the budget beside the contexts
 //
 
-int64_t llama_moe_stream::resize(int64_t want) {
+int64_t llama_moe_stream::resize(int64_t want, bool quiet) {
     settle_prefetch(-1);
     want = std::min<int64_t>(want, total_bytes);
     std::vector<int32_t> evicted;
@@ -29,8 +33,10 @@ int64_t llama_moe_stream::resize(int64_t want) {
     for (auto & f : frames) {
         f.trim(); // the process's memory drops with the budget
     }
-    LLAMA_LOG("%s: moe-stream: budget %lld MiB now (%lld experts resident, %zu evicted)\n", __func__,
-            (long long) (want >> 20), (long long) lru.n_resident, evicted.size());
+    if (!quiet) {
+        LLAMA_LOG("%s: moe-stream: budget %lld MiB now (%lld experts resident, %zu evicted)\n", __func__,
+                (long long) (want >> 20), (long long) lru.n_resident, evicted.size());
+    }
     return want;
 }
 
@@ -131,21 +137,32 @@ void llama_moe_stream::time_overlap(int64_t now_us, bool decode) {
 }
 
 void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output,
-                                  int32_t n_threads) {
+                                  int64_t kv_ubatch, int32_t n_threads) {
     const double mib = 1024.0 * 1024.0;
-    contexts[ctx] = host_bytes;
+    // elastic: the KV cache commits as it fills, and the governor sees it in the memory it reads
+    contexts[ctx] = elastic ? host_bytes - kv : host_bytes;
+    context_kv[ctx] = kv;
+    context_kv_ubatch[ctx] = elastic ? kv_ubatch : 0;
     context_threads[ctx] = std::max<int32_t>(1, n_threads);
     update_overlap();
     if (!is_auto) {
-        clamp_fixed(planned_contexts_bytes());
+        clamp_fixed(elastic ? contexts_bytes() : planned_contexts_bytes());
+        gov_said = budget_bytes;
         return;
     }
     const int64_t room = auto_room();
     const int64_t want = std::max<int64_t>(room, least_bytes());
-    LLAMA_LOG("%s: moe-stream: auto: a context takes %.1f MiB of host memory (KV cache %.1f, compute %.1f, output %.1f; "
-            "%zu context(s), %.1f MiB in all) -> budget %.2f MiB (%lld experts)\n", __func__, host_bytes / mib, kv / mib,
-            compute / mib, output / mib, contexts.size(), contexts_bytes() / mib, want / mib,
-            (long long) (want / (int64_t) entry_bytes));
+    if (elastic) {
+        LLAMA_LOG("%s: moe-stream: auto: a context takes %.1f MiB of host memory now (compute %.1f, output %.1f; its "
+                "KV cache of %.1f MiB commits as it fills, the budget yielding to it) -> budget %.2f MiB (%lld experts)\n",
+                __func__, (compute + output) / mib, compute / mib, output / mib, kv / mib, want / mib,
+                (long long) (want / (int64_t) entry_bytes));
+    } else {
+        LLAMA_LOG("%s: moe-stream: auto: a context takes %.1f MiB of host memory (KV cache %.1f, compute %.1f, output %.1f; "
+                "%zu context(s), %.1f MiB in all) -> budget %.2f MiB (%lld experts)\n", __func__, host_bytes / mib, kv / mib,
+                compute / mib, output / mib, contexts.size(), contexts_bytes() / mib, want / mib,
+                (long long) (want / (int64_t) entry_bytes));
+    }
     if (room < least_bytes()) {
         LLAMA_LOG_WARN("%s: moe-stream: WARNING auto: %.0f MiB before contexts - %.1f MiB of contexts leaves %.0f MiB, under "
                 "the mechanical minimum of %.1f MiB; the tier keeps the minimum and the process may exceed its memory by "
@@ -162,10 +179,59 @@ void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t 
         resize(want);
         warn_cycle(before);
     }
+    gov_said = budget_bytes;
+}
+
+void llama_moe_stream::govern(bool force) {
+    if (!elastic || !on()) {
+        return;
+    }
+    const int64_t now = ggml_time_us();
+    if (!force && now - gov_last_us < 2000) {
+        return;
+    }
+    gov_last_us = now;
+    const int64_t free = (int64_t) llama_moe_read_mem_avail().free_now();
+    if (free <= 0) {
+        return; // not known: the plan at load stands
+    }
+    llama_moe_governor_input in;
+    in.budget      = budget_bytes;
+    in.free        = free;
+    in.unfilled    = std::max<int64_t>(0, lru.capacity + lru.lend - charged_entries()) * entry_cost;
+    in.reserve     = floor_bytes;
+    for (const auto & [c, b] : context_kv_ubatch) {
+        in.reserve += b;
+    }
+    in.least       = least_bytes();
+    in.cap         = cap_bytes();
+    in.step        = gov_step;
+    in.entry_bytes = (int64_t) entry_bytes;
+    in.entry_cost  = entry_cost;
+    gov_free = free;
+    const int64_t want = llama_moe_governor_target(in);
+    if (want == budget_bytes) {
+        return;
+    }
+    const int64_t before = budget_bytes;
+    resize(want, /*quiet =*/ true);
+    (want < before ? gov_yields : gov_grows)++;
+    warn_cycle(before);
+    if (std::abs(budget_bytes - gov_said) >= gov_step) {
+        const double mib = 1024.0 * 1024.0;
+        LLAMA_LOG_INFO("llama_moe_stream: moe-stream: budget %s to %.1f MiB (%lld experts, from %.1f MiB at the last line): "
+                "%.0f MiB free now, %.0f MiB of it still to be filled by the tier, %.0f MiB kept free (floor and one ubatch's "
+                "KV cells), at most %.1f MiB beside the contexts now\n", budget_bytes < gov_said ? "yields" : "grows",
+                budget_bytes / mib, (long long) (budget_bytes / (int64_t) entry_bytes), gov_said / mib, free / mib,
+                in.unfilled / mib, in.reserve / mib, in.cap / mib);
+        gov_said = budget_bytes;
+    }
 }
 
 void llama_moe_stream::on_context_free(const void * ctx) {
     context_threads.erase(ctx);
+    context_kv.erase(ctx);
+    context_kv_ubatch.erase(ctx);
     update_overlap();
     if (contexts.erase(ctx) == 0) {
         return;

@@ -9,6 +9,7 @@
 #include "llama-moe-memory.h"
 #include "llama-moe-model.h"
 #include "llama-moe-stream-sizing.h"
+#include "llama-moe-governor.h"
 #include "llama-moe-switches.h"
 
 #include "llama-impl.h"
@@ -484,6 +485,8 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     st.cycle_bytes       = (int64_t) shape.cycle;
     st.auto_room_entries = sz.room_entries;
     st.auto_cap_entries  = sz.cap_entries;
+    st.elastic           = sw.elastic;
+    st.gov_step          = llama_moe_governor_step(in.entry_cost);
 
     if (!llama_moe_stream_reserve(st, model, mc, ils)) {
         return -1;
@@ -566,6 +569,7 @@ int32_t llama_model_moe_stream_fit(llama_model * model, uint32_t * n_ctx, uint32
     in.n_ctx       = *n_ctx > 0 ? *n_ctx : model->hparams.n_ctx_train * (in.unified ? 1 : in.n_seq);
     in.n_ctx_min   = n_ctx_min;
     in.user_sized  = user_sized;
+    in.elastic     = st.elastic;
     const auto plan = llama_moe_fit_make_plan(in, [&](uint32_t n, uint32_t s) { return measure(n, s, user_data); });
     const std::string line = llama_moe_fit_describe(in, plan);
     const std::string head = format("%.0f MiB available (limit %.0f MiB) - %.0f MiB dense weights - %.0f MiB prefetch window - "
@@ -583,16 +587,17 @@ int32_t llama_model_moe_stream_fit(llama_model * model, uint32_t * n_ctx, uint32
     }
     LLAMA_LOG("%s: moe-stream: %s -> %s\n", __func__, head.c_str(), line.c_str());
     // the plan's contexts are set aside now: auto's budget and a fixed one's clamp see them before they exist
-    st.fit_ctx_bytes = plan.ctx_bytes;
+    // (elastic: as they are empty; the governor yields as they fill)
+    st.fit_ctx_bytes = st.elastic && plan.now_bytes >= 0 ? plan.now_bytes : plan.ctx_bytes;
     if (st.is_auto) {
         const int64_t before = st.budget_bytes;
-        const int64_t want   = std::max(plan.budget_bytes, st.least_bytes());
+        const int64_t want   = std::max(st.elastic ? plan.budget_now : plan.budget_bytes, st.least_bytes());
         if (want != st.budget_bytes) {
             st.resize(want);
         }
         st.warn_cycle(before);
     } else {
-        st.clamp_fixed(plan.ctx_bytes);
+        st.clamp_fixed(st.fit_ctx_bytes);
     }
     if (plan.n_ctx != in.n_ctx || plan.n_seq != in.n_seq) {
         *n_ctx = plan.n_ctx;

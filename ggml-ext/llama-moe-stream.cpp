@@ -4,6 +4,7 @@
 // Must not hold: sizing and start-up (llama-moe-stream-init.cpp), the policy's rules
 // (llama-moe-residency.cpp) or read mechanics (llama-moe-source.cpp).
 
+#include "llama-moe-kv.h"
 #include "llama-moe-model.h"
 
 #include "llama-impl.h"
@@ -483,6 +484,14 @@ void llama_moe_stream::get_stats(llama_moe_stream_stats & out) const {
     out.direct_io      = reader.direct ? 1 : 0;
     out.prefetch_bytes = prefetch_bytes;
     out.prefetch_used  = prefetch_used;
+    const llama_moe_kv_usage kv = llama_moe_kv_get_usage();
+    out.kv_committed_bytes = kv.committed;
+    out.kv_capacity_bytes  = kv.capacity;
+    out.kv_released_bytes  = kv.released;
+    out.free_bytes         = (uint64_t) std::max<int64_t>(gov_free, 0);
+    out.n_yields           = gov_yields;
+    out.n_grows            = gov_grows;
+    out.elastic            = elastic ? 1 : 0;
 }
 
 void llama_moe_stream::print_summary() const {
@@ -496,12 +505,16 @@ void llama_moe_stream::print_summary() const {
         n_waves = waves.n_steps;
     }
     const uint64_t n = st.hits + st.misses;
+    const double mib = 1024.0 * 1024.0;
     LLAMA_LOG("moe-stream: %.1f%% hit, resident %.1f MiB, misses %llu (read %.1f MiB, %.2f MiB/token), io wait %.3f s, "
-            "major faults %llu, prefetched %.1f MiB (%.1f MiB of it used), scan steps %llu, wave steps %llu\n", n ? 100.0*st.hits/n : 0.0,
-            st.resident_bytes/1024.0/1024.0, (unsigned long long) st.misses, st.read_bytes/1024.0/1024.0,
-            st.n_tokens ? st.read_bytes/1024.0/1024.0/st.n_tokens : 0.0, st.io_wait_us/1e6,
-            (unsigned long long) st.major_faults, st.prefetch_bytes/1024.0/1024.0, st.prefetch_used/1024.0/1024.0,
-            (unsigned long long) n_scans, (unsigned long long) n_waves);
+            "major faults %llu, prefetched %.1f MiB (%.1f MiB of it used), scan steps %llu, wave steps %llu, budget %.1f MiB "
+            "(yielded %llu, grew %llu times), KV caches %.1f of %.1f MiB committed\n", n ? 100.0*st.hits/n : 0.0,
+            st.resident_bytes/mib, (unsigned long long) st.misses, st.read_bytes/mib,
+            st.n_tokens ? st.read_bytes/mib/st.n_tokens : 0.0, st.io_wait_us/1e6,
+            (unsigned long long) st.major_faults, st.prefetch_bytes/mib, st.prefetch_used/mib,
+            (unsigned long long) n_scans, (unsigned long long) n_waves, st.budget_bytes/mib,
+            (unsigned long long) st.n_yields, (unsigned long long) st.n_grows, st.kv_committed_bytes/mib,
+            st.kv_capacity_bytes/mib);
 }
 
 //

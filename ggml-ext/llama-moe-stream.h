@@ -124,7 +124,37 @@ struct llama_moe_stream : llama_moe_ram_copies {
     int64_t cycle_bytes  = 0; // the cache cycle: every streamed layer's top-k experts (the cliff guard's figure)
     int64_t fixed_bytes  = 0; // a fixed budget as asked (a clamp takes budget_bytes under it, never this)
     int64_t fit_ctx_bytes = 0; // the contexts' host memory the fit planned before any was created
-    std::map<const void *, int64_t> contexts; // live contexts -> their host memory (KV cache, compute, output)
+    std::map<const void *, int64_t> contexts; // live contexts -> their host memory that counts against the budget:
+                                              // KV cache, compute, output; elastic: compute and output only
+
+    // Elastic (the default; PYBMOE_MOE_STREAM_ELASTIC=0: the static plan): the contexts' host KV caches commit
+    // memory as they fill (llama-moe-kv.h), so a context costs the budget nothing up front; the governor
+    // (llama-moe-governor.h) makes the budget follow the memory at run time, before each ubatch (govern)
+    bool elastic = true;
+    std::map<const void *, int64_t> context_kv;         // live contexts -> their KV cache's capacity, bytes
+    std::map<const void *, int64_t> context_kv_ubatch;  // live contexts -> the KV bytes of one full ubatch's cells
+    int64_t gov_step      = 0;  // the governor's hysteresis, bytes
+    int64_t gov_said      = 0;  // the budget its last line gave
+    int64_t gov_free      = -1; // the memory free at its last reading, bytes (-1: not read yet)
+    int64_t gov_last_us   = 0;
+    uint64_t gov_yields   = 0;  // times it shrank the budget, and grew it
+    uint64_t gov_grows    = 0;
+
+    // the entries whose memory the tier holds now (resident, or a free page frame still allocated)
+    int64_t charged_entries() const {
+        return frames[0].on() ? std::max<int64_t>(lru.n_resident, frames[0].n_frames()) : lru.n_resident;
+    }
+
+    // the most the budget takes now, bytes: auto's room beside the contexts, or a fixed budget's room (at most
+    // what was asked); never under the minimum
+    int64_t cap_bytes() const {
+        return std::max(is_auto ? auto_room() : fixed_room(contexts_bytes()), least_bytes());
+    }
+
+    // the governor's turn (no graph in flight): reads the memory free now and moves the budget by the rule of
+    // llama-moe-governor.h; one INFO line when the budget moved by a step or more since the last one, the
+    // cycle WARN on each crossing. At most every 2 ms unless `force`
+    void govern(bool force);
 
     int64_t contexts_bytes() const {
         int64_t n = 0;
@@ -154,8 +184,9 @@ struct llama_moe_stream : llama_moe_ram_copies {
     // that leaves the floor (a WARN with the arithmetic), and grows back toward what was asked as they go.
     // Called with no graph in flight. n_threads: the context's compute threads (the larger of its decode
     // and batch counts), for the overlap's auto rule (below)
+    // kv_ubatch: the KV bytes of one full ubatch's cells (the governor keeps that much free beside the floor)
     void on_context(const void * ctx, int64_t host_bytes, int64_t kv, int64_t compute, int64_t output,
-                    int32_t n_threads);
+                    int64_t kv_ubatch, int32_t n_threads);
     void on_context_free(const void * ctx);
 
     // auto's budget beside the live contexts, bytes (may be under the minimum)
@@ -173,8 +204,8 @@ struct llama_moe_stream : llama_moe_ram_copies {
     void warn_cycle(int64_t before) const;
 
     // sets the budget (bytes, clamped to every expert's); a shrink evicts the least recently used at once.
-    // Returns the budget set.
-    int64_t resize(int64_t want);
+    // Returns the budget set. quiet: no line (the governor says its own)
+    int64_t resize(int64_t want, bool quiet = false);
 
     // counters (the graph op updates them during compute; the getters read them under `mutex`)
     mutable std::mutex mutex;

@@ -51,5 +51,12 @@ bool llama_moe_stream_switches_read(llama_moe_stream_switches & out, std::string
     if (const char * v = getenv("PYBMOE_MOE_STREAM_NO_ODIRECT")) {
         out.no_odirect = atoi(v) != 0;
     }
+    if (const char * v = llama_moe_env("PYBMOE_MOE_STREAM_ELASTIC")) {
+        if (strcmp(v, "0") != 0 && strcmp(v, "1") != 0) {
+            err = std::string("PYBMOE_MOE_STREAM_ELASTIC=") + v + "; accepted: 1 (the default) or 0 (the static plan)";
+            return false;
+        }
+        out.elastic = v[0] == '1';
+    }
     return true;
 }

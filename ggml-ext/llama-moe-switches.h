@@ -25,6 +25,8 @@ struct llama_moe_stream_switches {
     int32_t overlap       = -1;    // PYBMOE_MOE_STREAM_OVERLAP: -1 auto (unset, "auto", or a bad value), 0 off, 1 on
     int32_t overlap_trial = 0;     // PYBMOE_MOE_STREAM_OVERLAP_TRIAL: decode tokens each way, 1 .. 1000; 0: the trial's default
     bool    no_odirect    = false; // PYBMOE_MOE_STREAM_NO_ODIRECT=1: open as a file system without O_DIRECT answers
+    bool    elastic       = true;  // PYBMOE_MOE_STREAM_ELASTIC=0: the contexts' KV caches committed at creation and the
+                                   // budget planned once at load (the static plan), no governor
 };
 
 // reads the stream tier's switches. false (with `err`) for a value that refuses the tier; a value replaced

@@ -4,6 +4,8 @@ target_sources(llama PRIVATE
     ${PYBMOE_EXT_DIR}/llama-moe-base.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-model.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-memory.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-kv.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-governor.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-sigbus.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-fit.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-residency.cpp
@@ -26,3 +28,6 @@ target_sources(llama PRIVATE
     ${PYBMOE_EXT_DIR}/llama-moe-trace.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-replay.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-apply.cpp)
+# the lazy KV buffer type implements ggml's buffer interface (ggml-backend-impl.h, in ggml's own sources)
+set_source_files_properties(${PYBMOE_EXT_DIR}/llama-moe-kv.cpp PROPERTIES
+    INCLUDE_DIRECTORIES ${CMAKE_CURRENT_SOURCE_DIR}/../ggml/src)

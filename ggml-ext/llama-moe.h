@@ -211,6 +211,15 @@ struct llama_moe_stream_stats {
     int32_t  direct_io;       // 1: O_DIRECT reads, 0: buffered (the file system refused it)
     uint64_t prefetch_bytes;  // bytes the opt-in prefetch read ahead
     uint64_t prefetch_used;   // of them, bytes a step then used
+    // elastic (the default): the contexts' host KV caches commit memory as they fill, and the budget follows the
+    // memory at run time (the governor)
+    uint64_t kv_committed_bytes; // what the contexts' host KV caches hold now (pages written)
+    uint64_t kv_capacity_bytes;  // their whole capacity
+    uint64_t kv_released_bytes;  // bytes given back by freed cells since the process started
+    uint64_t free_bytes;         // the memory free at the governor's last reading (0: not read yet)
+    uint64_t n_yields;           // times the governor shrank the budget
+    uint64_t n_grows;            // times it grew it back
+    int32_t  elastic;            // 1: elastic, 0: the static plan (PYBMOE_MOE_STREAM_ELASTIC=0)
 };
 
 #define LLAMA_MOE_STREAM_AUTO                (-1)   // budget_mib: size from available memory

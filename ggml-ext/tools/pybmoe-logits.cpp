@@ -64,7 +64,9 @@ int main(int argc, char ** argv) {
         PYBMOE_OFF(hits); PYBMOE_OFF(misses); PYBMOE_OFF(read_bytes); PYBMOE_OFF(resident_bytes);
         PYBMOE_OFF(budget_bytes); PYBMOE_OFF(min_bytes); PYBMOE_OFF(total_bytes); PYBMOE_OFF(n_tokens);
         PYBMOE_OFF(io_wait_us); PYBMOE_OFF(major_faults); PYBMOE_OFF(n_layers); PYBMOE_OFF(direct_io);
-        PYBMOE_OFF(prefetch_bytes); PYBMOE_OFF(prefetch_used);
+        PYBMOE_OFF(prefetch_bytes); PYBMOE_OFF(prefetch_used); PYBMOE_OFF(kv_committed_bytes);
+        PYBMOE_OFF(kv_capacity_bytes); PYBMOE_OFF(kv_released_bytes); PYBMOE_OFF(free_bytes); PYBMOE_OFF(n_yields);
+        PYBMOE_OFF(n_grows); PYBMOE_OFF(elastic);
 #undef PYBMOE_OFF
         printf("\n");
         return 0;
