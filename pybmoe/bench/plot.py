@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .noise import SPREAD_LIMIT
+
 
 def _pyplot():
     """``matplotlib.pyplot`` on the Agg backend (no display needed)."""
@@ -81,8 +83,9 @@ def sweep_plot(runs: pd.DataFrame, path: str | os.PathLike, *, title: str = "") 
     and ``overflow`` (and ``spec``, ``max_batch``, when present). One line per configuration (insert
     cap, cached batch, ubatch, threads, backend, speculation): the
     median over repeats with min–max bars, the cache-off median (``slots = 0``) of that
-    configuration drawn as a dashed horizontal line of the same colour, and overflowed runs as
-    red crosses (left out of the medians). Returns the path; raises :class:`ValueError` for an
+    configuration drawn as a dashed horizontal line of the same colour, overflowed runs as
+    red crosses (left out of the medians), and a point whose repeats spread more than
+    :data:`pybmoe.bench.noise.SPREAD_LIMIT` ringed in red (noisy). Returns the path; raises :class:`ValueError` for an
     empty frame or more than one mode.
     """
     plt = _pyplot()
@@ -96,7 +99,7 @@ def sweep_plot(runs: pd.DataFrame, path: str | os.PathLike, *, title: str = "") 
     cfg_keys = ["backend", "n_threads", "n_ubatch"] + (["spec"] if "spec" in runs else [])
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 6.4), dpi=120, sharex=True,
                                  gridspec_kw={"height_ratios": [3, 2]})
-    color_i = 0
+    color_i, noisy_shown = 0, False
     for cfg, g in ok.groupby(cfg_keys, sort=True):
         base = g[g["slots"] == 0]["avg_ts"].median()
         label_cfg = f"{cfg[0]}, t={cfg[1]}, ub={cfg[2]}" + (f", spec={cfg[3]}" if len(cfg) > 3 else "")
@@ -115,6 +118,12 @@ def sweep_plot(runs: pd.DataFrame, path: str | os.PathLike, *, title: str = "") 
                             marker="o", markersize=4, capsize=3, linewidth=1.4, color=color, label=lab)
                 hit = h["hit_pct"].median()
                 bx.plot(hit.index, hit.values, marker="o", markersize=4, linewidth=1.4, color=color, label=lab)
+                wide = (hi / lo.where(lo > 0)) > SPREAD_LIMIT
+                if wide.any():
+                    ax.scatter(med.index[wide.to_numpy()], med.values[wide.to_numpy()], s=120, facecolors="none",
+                               edgecolors="#cc3311", linewidths=1.5, zorder=6,
+                               label=None if noisy_shown else f"noisy: repeats spread over {SPREAD_LIMIT:g}x")
+                    noisy_shown = True
             if not np.isnan(base):
                 ax.axhline(base, color=color, linestyle="--", linewidth=1)
                 ax.plot([0], [base], marker="s", markersize=5, color=color)
@@ -182,7 +191,7 @@ def device_bench_plot(df: pd.DataFrame, path: str | os.PathLike, *, title: str =
 
 #: How ``pybmoe bench-stream``'s points are drawn: (colour, hatch) by kind.
 STREAM_STYLE = {"mmap": ("#999999", ""), "defaults": ("#cc6677", ""), "stream": ("#4477aa", ""),
-                "resident": ("#dddddd", "//")}
+                "resident": ("#dddddd", "//"), "server": ("#ddaa33", "")}
 
 
 def _stream_kind(point: str) -> str:
@@ -194,7 +203,8 @@ def stream_figure(summary: pd.DataFrame, runs: pd.DataFrame | None, mode: str, *
     tok/s per point (top) and the stream tier's hit rate (bottom).
 
     Top: the median as a bar, each repeat as a dot and its min–max as an error bar (the spread), the
-    ratio over mmap written on the bar, and, where the summary has them, the point's limits as ticks:
+    ratio over mmap written on the bar (in red, with ``noisy: Nx spread``, for a point whose repeats spread
+    more than :data:`pybmoe.bench.noise.SPREAD_LIMIT`), and, where the summary has them, the point's limits as ticks:
     the serial limit (``median_limit_ts``, reads then compute) and the overlapped one
     (``median_overlap_limit_ts``, reads hidden behind compute), tok/s. The all-resident point runs with no
     memory limit and a warm page cache: its bar is hatched and its label says so. Bottom: the tier's
@@ -218,8 +228,10 @@ def stream_figure(summary: pd.DataFrame, runs: pd.DataFrame | None, mode: str, *
         color, hatch = STREAM_STYLE.get(k, STREAM_STYLE["stream"])
         ax.bar(xi, r.median_ts, color=color, hatch=hatch, edgecolor="#555555" if hatch else color,
                label="resident: no memory limit, warm page cache" if k == "resident" else None)
-        ax.annotate(f"{r.ratio:.2f}x", (xi, r.max_ts), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
-                    textcoords="offset points")
+        noisy = bool(getattr(r, "noisy", False))
+        ax.annotate(f"{r.ratio:.2f}x" + (f"\nnoisy: {r.spread:.1f}x spread" if noisy else ""), (xi, r.max_ts),
+                    ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points",
+                    color="#cc3311" if noisy else "black")
     ax.errorbar(x, d.median_ts, yerr=err, fmt="none", ecolor="black", capsize=3, linewidth=1,
                 label="min–max of the repeats")
     m = runs[runs["mode"] == mode] if runs is not None else pd.DataFrame({"point": [], "avg_ts": []})

@@ -24,7 +24,8 @@ is not the model's own, ``--moe-route-replay``. It starts from a cold page cache
 Every run records the context the server ran with (``n_ctx_slot``, ``n_slots``: the fit's line
 ``fit_line``), the budget it served with and the cache cycle (``budget_mb`` as set at load,
 ``serving_budget_mb`` from ``/metrics`` while it served, ``cycle_mb``), the hit
-rate (``/metrics``), its time to healthy (``startup_s``), the cgroup's peak and its OOM kills. A
+rate (``/metrics``), its time to healthy (``startup_s``), the 1-minute load average as its requests
+began (``load_1m``, :mod:`pybmoe.bench.noise`), the cgroup's peak and its OOM kills. A
 server that does not start records ``status`` (``refused``: exited with its reason in the log;
 ``oom``: killed by the OOM killer) instead of figures.
 
@@ -49,7 +50,7 @@ import numpy as np
 
 from .. import engine
 from ..engine import memlimit
-from . import load
+from . import load, noise
 
 #: The tier's flags of the ``server`` point: the defaults, nothing else.
 DEFAULTS = ("--moe-stream-cache-mb", "auto")
@@ -174,6 +175,7 @@ def run_server_point(model: str | os.PathLike, *, limit: memlimit.MemoryLimit | 
         ref: list[load.Answer] = []
         for n_clients in clients:
             before = metrics(url)
+            load_1m = noise.load_average()
             t1 = time.monotonic()
             if n_clients == 1:
                 answers = [load.send(url, r, timeout_s=request_timeout_s) for r in reqs]
@@ -203,7 +205,8 @@ def run_server_point(model: str | os.PathLike, *, limit: memlimit.MemoryLimit | 
             verdicts = [load.compare(a, b)[0] for a, b in zip(ref, answers)] if comparable else []
             n_tok = sum(a.predicted_n for a in answers)
             budget = after.get("llamacpp:moe_stream_budget_bytes", math.nan) / 2**20
-            rows.append(dict(base, clients=n_clients, status="ok", startup_s=startup_s, wall_s=wall, serving_budget_mb=budget,
+            rows.append(dict(base, clients=n_clients, status="ok", startup_s=startup_s, wall_s=wall, load_1m=load_1m,
+                             serving_budget_mb=budget,
                              n_requests=len(reqs), n_prompt=n_prompt, n_gen=n_gen, tokens=n_tok,
                              decode_ts=float(np.median([a.decode_ts for a in answers])) if n_clients == 1
                              else n_tok / max(a.predicted_n / a.decode_ts for a in answers),

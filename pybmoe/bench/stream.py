@@ -38,7 +38,9 @@ Outputs, in the output folder:
   ``median_overlap_limit_ts``, ``median_vs_limit`` and ``median_vs_overlap_limit``; with a
   route-replay trace, ``predicted_ts`` on the stream points' decode
   rows: :func:`pybmoe.routing.sizing.predict_stream` at the point's budget, from the trace, the disk
-  bandwidth the stream runs measured (MiB read / io wait) and the resident point's decode.
+  bandwidth the stream runs measured (MiB read / io wait) and the resident point's decode; ``spread``
+  (``max_ts / min_ts``), ``max_load_1m`` (the highest 1-minute load average a run started under, each
+  run's ``load_1m``) and ``noisy`` (``spread`` over 1.5: :mod:`pybmoe.bench.noise`).
 - ``stream-tg.png`` and ``stream-pp.png``: tok/s per point (median bars, each repeat a dot, min-max
   bars) with the ratio over mmap written on each bar and the serial and overlapped limits as ticks,
   and below, the tier's hit rate; the resident bar is hatched and labelled as run with no limit and
@@ -98,7 +100,7 @@ import pandas as pd
 
 from .. import engine
 from ..engine import memlimit
-from . import disk
+from . import disk, noise
 from . import server as server_mod
 from ..routing import sizing
 from ..routing import trace as tr
@@ -207,6 +209,7 @@ def run_point(model: Path, point: StreamPoint, mode: str, *, limit: memlimit.Mem
         limit.reset_peak()
         cmd = limit.wrap(cmd)
     env = {**os.environ, "PYBMOE_MOE_STREAM_POLICY": point.policy} if point.policy else None
+    load_1m = noise.load_average()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -223,6 +226,7 @@ def run_point(model: Path, point: StreamPoint, mode: str, *, limit: memlimit.Mem
     majflt = after.ru_majflt - before.ru_majflt
     read_mib = (after.ru_inblock - before.ru_inblock) * 512 / 2**20
     row.update(point=point.name, kind=point.kind, budget=point.budget, dense=point.dense, mode=mode, tokens=tokens,
+               load_1m=load_1m,
                major_faults=majflt, read_mib=read_mib, majflt_per_token=majflt / tokens,
                read_mib_per_token=read_mib / tokens,
                peak_mib=limit.peak_mib() if limit is not None and point.limited else np.nan,
@@ -361,7 +365,7 @@ def summarize(runs: pd.DataFrame) -> pd.DataFrame:
                     median_vs_limit=("vs_limit", "median"),
                     median_vs_overlap_limit=("vs_overlap_limit", "median")).reset_index()
         s = s.merge(lim, on=["point", "mode"], how="left", sort=False)
-    return s
+    return noise.flag_spread(s, runs, ["point", "mode"])
 
 
 def predict(runs: pd.DataFrame, summary: pd.DataFrame, model: Path, trace_path: Path) -> pd.DataFrame:
@@ -390,17 +394,38 @@ def predict(runs: pd.DataFrame, summary: pd.DataFrame, model: Path, trace_path: 
     return s
 
 
-def plot(summary: pd.DataFrame, out_dir: Path, title: str, runs: pd.DataFrame | None = None) -> list[Path]:
+def plot(summary: pd.DataFrame, out_dir: Path, title: str, runs: pd.DataFrame | None = None,
+         server_summary: pd.DataFrame | None = None, server_runs: pd.DataFrame | None = None) -> list[Path]:
     """``stream-<mode>.png`` per mode (:func:`pybmoe.bench.plot.stream_figure`): tok/s per point with
     each repeat, the min-max and the limits, the ratio over mmap, and the tier's hit rate; the
-    all-resident point marked as unlimited and warm. The repeats come from ``runs``, else from
-    ``out_dir/stream-runs.csv`` when it is there (what :func:`bench_stream` wrote). Returns the paths
-    written."""
+    all-resident point marked as unlimited and warm; with the server point (``server_summary``, else
+    ``out_dir/server-summary.csv`` when it is there), its bars in ``stream-tg.png`` beside the others
+    (:func:`server_plot_rows`: ``server/1 client``, ``server/4 clients``, decode). The repeats come
+    from ``runs`` (``server_runs``), else from ``out_dir/stream-runs.csv`` (``server-runs.csv``) when it is
+    there (what :func:`bench_stream` wrote). Returns the paths written."""
     from .plot import stream_plot
-    if runs is None and (out_dir / "stream-runs.csv").is_file():
-        runs = pd.read_csv(out_dir / "stream-runs.csv")
+    summary, runs = plot_frames(summary, out_dir, runs, server_summary, server_runs)
     return [stream_plot(summary, runs, out_dir / f"stream-{mode}.png", mode, title=title)
             for mode in MODES if (summary["mode"] == mode).any()]
+
+
+def plot_frames(summary: pd.DataFrame, out_dir: Path, runs: pd.DataFrame | None = None,
+                server_summary: pd.DataFrame | None = None,
+                server_runs: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """The summary and runs :func:`plot` draws: ``runs`` (else ``out_dir/stream-runs.csv``), and the
+    server point's rows (:func:`server_plot_rows`, from ``server_summary``, else
+    ``out_dir/server-summary.csv`` and ``server-runs.csv``) appended in decode when there is one."""
+    if runs is None and (out_dir / "stream-runs.csv").is_file():
+        runs = pd.read_csv(out_dir / "stream-runs.csv")
+    if server_summary is None and (out_dir / "server-summary.csv").is_file():
+        server_summary = pd.read_csv(out_dir / "server-summary.csv")
+        if server_runs is None and (out_dir / "server-runs.csv").is_file():
+            server_runs = pd.read_csv(out_dir / "server-runs.csv")
+    if server_summary is not None and len(server_summary) and (summary["mode"] == "tg").any():
+        rows, sruns = server_plot_rows(server_summary, server_runs)
+        summary = pd.concat([summary, rows], ignore_index=True)
+        runs = sruns if runs is None else pd.concat([runs, sruns], ignore_index=True)
+    return summary, runs
 
 
 def check_model(model: str | os.PathLike) -> Path:
@@ -500,14 +525,15 @@ def bench_stream(model: str | os.PathLike, out_dir: str | os.PathLike, *, limit_
     if rp is not None:
         summary = predict(runs, summary, model, rp)
     summary.to_csv(out / "stream-summary.csv", index=False)
-    title = f"{model.name}: limit {limit_mib} MiB" if limit_mib else f"{model.name}: no memory limit"
-    plot(summary, out, title)
     sruns = ssum = None
     if server:
         sruns = pd.DataFrame(srows)
         sruns.to_csv(out / "server-runs.csv", index=False)
         ssum = summarize_server(sruns, summary)
         ssum.to_csv(out / "server-summary.csv", index=False)
+    title = f"{model.name}: limit {limit_mib} MiB" if limit_mib else f"{model.name}: no memory limit"
+    plot(summary, out, title, runs=runs, server_summary=ssum if ssum is not None else pd.DataFrame(),
+         server_runs=sruns)
     return StreamBenchResult(runs, summary, out, limit_mib, notes, sruns, ssum)
 
 
@@ -540,8 +566,39 @@ def summarize_server(sruns: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame
                          near_tie=ok.get("near_tie", pd.Series(dtype=float)).sum(min_count=1),
                          wrong=ok.get("wrong", pd.Series(dtype=float)).sum(min_count=1),
                          vs_bench_defaults=med / tg["defaults"] if "defaults" in tg else math.nan,
-                         vs_mmap=med / tg["mmap"] if "mmap" in tg else math.nan))
-    return pd.DataFrame(rows)
+                         vs_mmap=med / tg["mmap"] if "mmap" in tg else math.nan,
+                         max_load_1m=float(g.load_1m.max()) if "load_1m" in g else math.nan))
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    spread = out.max_ts / out.min_ts.where(out.min_ts > 0)
+    return out.assign(spread=spread, noisy=(spread > noise.SPREAD_LIMIT).fillna(False).astype(bool))
+
+
+def server_label(clients: int) -> str:
+    """The label of the server point's bar of ``clients`` in ``stream-tg.png`` (:func:`server_plot_rows`)."""
+    return f"server/{clients} client{'s' if clients != 1 else ''}"
+
+
+def server_plot_rows(server_summary: pd.DataFrame, server_runs: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The server point as :func:`pybmoe.bench.plot.stream_figure` draws the others, in decode (``tg``):
+    summary rows (one per clients, ``point`` :func:`server_label`, ``median_ts`` / ``min_ts`` /
+    ``max_ts`` its decode tok/s, ``ratio`` its ``vs_mmap``, its hit rate and ``noisy``) and run rows
+    (each answered run's ``decode_ts`` as ``avg_ts``)."""
+    ss = server_summary[server_summary["n"] > 0] if len(server_summary) else server_summary
+    rows = pd.DataFrame({"point": [server_label(int(c)) for c in ss.clients], "mode": "tg", "n": ss.n.to_numpy(),
+                         "median_ts": ss.median_ts.to_numpy(), "min_ts": ss.min_ts.to_numpy(),
+                         "max_ts": ss.max_ts.to_numpy(), "ratio": ss.vs_mmap.to_numpy(),
+                         "median_hit_pct": ss.median_hit_pct.to_numpy(),
+                         "spread": ss.get("spread", pd.Series(np.nan, index=ss.index)).to_numpy(),
+                         "max_load_1m": ss.get("max_load_1m", pd.Series(np.nan, index=ss.index)).to_numpy(),
+                         "noisy": ss.get("noisy", pd.Series(False, index=ss.index)).to_numpy()})
+    runs = pd.DataFrame({"point": [], "mode": [], "avg_ts": []})
+    if server_runs is not None and len(server_runs) and "decode_ts" in server_runs:
+        ok = server_runs[server_runs["status"] == "ok"]
+        runs = pd.DataFrame({"point": [server_label(int(c)) for c in ok.clients], "mode": "tg",
+                             "avg_ts": ok.decode_ts.to_numpy()})
+    return rows, runs
 
 
 def _probe(model: Path, io_threads: int | None, total_mib: float, seed: int, notes: list[str]) -> float:
@@ -558,8 +615,15 @@ def _probe(model: Path, io_threads: int | None, total_mib: float, seed: int, not
 
 
 def format_summary(summary: pd.DataFrame) -> str:
-    """The summary as a fixed-width table (tok/s, ratio, hit %, MiB and faults per token)."""
+    """The summary as a fixed-width table (tok/s, ratio, hit %, MiB and faults per token; ``noisy``: the
+    spread and load of a point whose repeats disagree, :mod:`pybmoe.bench.noise`), and under it one line
+    per noisy point."""
     cols = ["point", "mode", "n", "median_ts", "ratio", "median_hit_pct", "median_read_mib_per_token",
             "median_majflt_per_token", "median_io_wait_s", "median_peak_mib", "median_probe_mib_s",
-            "median_limit_ts", "median_vs_limit", "median_overlap_limit_ts", "median_vs_overlap_limit", "predicted_ts"]
-    return summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.2f}")
+            "median_limit_ts", "median_vs_limit", "median_overlap_limit_ts", "median_vs_overlap_limit", "predicted_ts",
+            "noisy"]
+    t = summary[[c for c in cols if c in summary]].copy()
+    if "noisy" in t:
+        t["noisy"] = [noise.noisy_note(r) for r in summary.itertuples(index=False)]
+    text = t.to_string(index=False, float_format=lambda v: f"{v:.2f}")
+    return "\n".join([text, *noise.noisy_lines(summary, ["point", "mode"])])

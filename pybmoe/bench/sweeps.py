@@ -54,7 +54,9 @@ Outputs, in the output folder:
 - ``sweep-summary.csv``: per point and mode, ``n`` runs, ``median_ts`` / ``min_ts`` /
   ``max_ts`` tok/s, ``baseline_ts`` (median of the cache-off runs of the same runner, backend,
   speculation, threads, ubatch and mode), ``ratio`` = ``median_ts / baseline_ts``, ``median_hit_pct``,
-  ``median_resident_mib``, ``median_uploads`` and ``overflow`` (any run overflowed).
+  ``median_resident_mib``, ``median_uploads`` and ``overflow`` (any run overflowed); ``spread``
+  (``max_ts / min_ts``), ``max_load_1m`` (the highest 1-minute load average a run started under: each
+  run's ``load_1m``) and ``noisy`` (``spread`` over 1.5: :mod:`pybmoe.bench.noise`).
 - ``sweep-pp.png``, ``sweep-tg.png``: tok/s (median, min–max bars) and hit % against slots,
   with the cache-off median drawn as a horizontal line (:func:`pybmoe.bench.plot.sweep_plot`).
 - ``logs/``: each run's stderr, named after the run.
@@ -91,6 +93,7 @@ import numpy as np
 import pandas as pd
 
 from .. import engine
+from . import noise
 
 BACKENDS = ("auto", "rpc", "gpu")
 MODES = ("pp", "tg")
@@ -291,6 +294,7 @@ def run_point(model: Path, point: Point, mode: str, *, n_prompt: int, n_gen: int
     """
     cmd = bench_command(model, point, mode, n_prompt=n_prompt, n_gen=n_gen, rpc_endpoint=rpc_endpoint,
                         extra_args=extra_args)
+    load_1m = noise.load_average()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
         out, log, rc = r.stdout, r.stderr, r.returncode
@@ -314,7 +318,7 @@ def run_point(model: Path, point: Point, mode: str, *, n_prompt: int, n_gen: int
         rows = [{}]
     rec = engine.cache_record(log)
     row = dict(rows[0])
-    row.update(mode=mode, runner="bench", **_cache_columns(point, rec, reason))
+    row.update(mode=mode, runner="bench", load_1m=load_1m, **_cache_columns(point, rec, reason))
     row.setdefault("n_threads", point.threads)
     row.setdefault("n_ubatch", point.ubatch)
     row.setdefault("avg_ts", np.nan)
@@ -434,6 +438,7 @@ def run_server_point(model: Path, point: Point, requests: Sequence[dict], *, rpc
     srv = engine.LlamaServer(server_command_args(model, point, rpc_endpoint=rpc_endpoint, n_ctx=n_ctx,
                                                  extra_args=extra_args), log_dir=log_dir)
     results, err = [], None
+    load_1m = noise.load_average()
     try:
         srv.start()
         for r in requests:
@@ -453,7 +458,7 @@ def run_server_point(model: Path, point: Point, requests: Sequence[dict], *, rpc
     common = dict(model_filename=str(model), n_threads=point.threads, n_ubatch=point.ubatch,
                   n_requests=len(results), draft_n=int(tot["draft_n"]), draft_accepted=int(tot["draft_n_accepted"]),
                   text_sha1=hashlib.sha1(texts.encode()).hexdigest() if results and err is None else "",
-                  runner="server", **_cache_columns(point, rec, reason))
+                  runner="server", load_1m=load_1m, **_cache_columns(point, rec, reason))
     rows = []
     for mode, n_key, ms_key in (("pp", "prompt_n", "prompt_ms"), ("tg", "predicted_n", "predicted_ms")):
         n, ms = tot[n_key], tot[ms_key]
@@ -480,9 +485,11 @@ def summarize(runs: pd.DataFrame) -> pd.DataFrame:
     s["ratio"] = s["median_ts"] / s["baseline_ts"]
     s = s.join(sync_ts, on=keys)
     s["ratio_to_sync"] = (s["median_ts"] / s["sync_ts"]).where(~s["sync"].astype(bool))
+    s = noise.flag_spread(s, runs, POINT_KEYS)
     cols = list(POINT_KEYS) + ["n", "median_ts", "min_ts", "max_ts", "baseline_ts", "ratio", "ratio_to_sync",
                                "median_hit_pct", "median_resident_mib", "median_uploads",
-                               "median_upload_wait_ms_per_step", "median_h2d_per_step", "overflow"]
+                               "median_upload_wait_ms_per_step", "median_h2d_per_step", "overflow",
+                               "spread", "max_load_1m", "noisy"]
     if "draft_n" in runs:  # the server runner: the share of drafted tokens the target accepted, over all runs
         d = g.agg(draft_n=("draft_n", "sum"), draft_accepted=("draft_accepted", "sum")).reset_index()
         s["draft_accept_pct"] = (100 * d["draft_accepted"] / d["draft_n"].where(d["draft_n"] > 0)).to_numpy()
@@ -615,11 +622,15 @@ def sweep(model: str | os.PathLike, out_dir: str | os.PathLike, *, slots: Sequen
 
 
 def format_summary(summary: pd.DataFrame) -> str:
-    """The summary as a Markdown table (tok/s medians, ratio to cache off, hit %, uploads)."""
+    """The summary as a Markdown table (tok/s medians, ratio to cache off, hit %, uploads; ``noisy``:
+    the spread and load of a point whose repeats disagree, :mod:`pybmoe.bench.noise`), and under it one
+    line per noisy point."""
     cols = ["mode", "runner", "backend", "spec", "n_threads", "n_ubatch", "slots", "inserts", "max_batch", "sync", "n",
             "median_ts",
             "baseline_ts", "ratio", "ratio_to_sync", "median_hit_pct", "median_resident_mib", "median_uploads",
             "median_upload_wait_ms_per_step", "median_h2d_per_step", "overflow"]
+    if "noisy" in summary:
+        cols.append("noisy")
     if "draft_accept_pct" in summary:
         cols.append("draft_accept_pct")
     s = summary[cols].copy()
@@ -635,5 +646,9 @@ def format_summary(summary: pd.DataFrame) -> str:
     s["median_hit_pct"] = s["median_hit_pct"].map(lambda v: "–" if pd.isna(v) else f"{v:.1f}")
     s["median_resident_mib"] = s["median_resident_mib"].map(lambda v: f"{v:.1f}")
     s["median_uploads"] = s["median_uploads"].map(lambda v: f"{v:.0f}")
+    if "noisy" in s:
+        s["noisy"] = [noise.noisy_note(r) for r in summary.itertuples(index=False)]
     head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
-    return head + "\n".join("| " + " | ".join(str(v) for v in r) + " |" for r in s.itertuples(index=False))
+    table = head + "\n".join("| " + " | ".join(str(v) for v in r) + " |" for r in s.itertuples(index=False))
+    lines = noise.noisy_lines(summary, ["mode", "backend", "slots", "inserts"]) if "noisy" in summary else []
+    return "\n".join([table, *lines])

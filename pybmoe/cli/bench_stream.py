@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .. import engine
-from ..bench import stream
+from ..bench import noise, stream
 from ..routing import granite
 from ..routing import trace as tr
 from . import paths
@@ -104,9 +104,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(stream.format_summary(res.summary))
     if res.server_summary is not None:
-        print(res.server_summary.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+        ss = res.server_summary.copy()
+        if "noisy" in ss:
+            ss["noisy"] = [noise.noisy_note(r) for r in res.server_summary.itertuples(index=False)]
+        print(ss.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+        for line in noise.noisy_lines(res.server_summary, ["point", "clients"]):
+            print(line)
     print(f"wrote {res.out_dir}/stream-runs.csv, stream-summary.csv, stream-{{pp,tg}}.png"
-          + (", server-runs.csv, server-summary.csv" if res.server_summary is not None else ""))
+          + (", server-runs.csv, server-summary.csv (the server point is in stream-tg.png too)"
+             if res.server_summary is not None else ""))
     return 0
 
 

@@ -35,6 +35,10 @@ def test_the_server_point_ran_with_one_and_four_clients_and_was_written(result):
     bench = result.summary[(result.summary.point == "defaults") & (result.summary["mode"] == "tg")].median_ts.iloc[0]
     one = summary[summary.clients == 1].iloc[0]
     assert one.vs_bench_defaults == pytest.approx(one.median_ts / bench)
+    # issue 52, item 7: the server point is plotted with the others (stream-tg.png), and flagged when noisy
+    assert (runs.load_1m >= 0).all() and {"spread", "noisy", "max_load_1m"} <= set(summary.columns)
+    drawn, _ = stream.plot_frames(result.summary, result.out_dir)
+    assert list(drawn.point[-2:]) == ["server/1 client", "server/4 clients"]
 
 
 def test_the_server_ran_its_own_default_context_and_served_with_the_fitted_budget(result):

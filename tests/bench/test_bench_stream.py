@@ -3,6 +3,9 @@ the plots, the ratios over mmap, and the stream tier's columns. Timings are not 
 figures live in docs/benchmarks/."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -30,6 +33,11 @@ def test_every_point_and_mode_ran_and_was_written(result):
     assert (runs.avg_ts > 0).all()
     for p in ("stream-summary.csv", "stream-pp.png", "stream-tg.png"):
         assert (result.out_dir / p).stat().st_size > 0
+    # issue 52, item 7: every run records the load it started under; every point its spread and flag
+    assert (runs.load_1m >= 0).all()
+    summary = pd.read_csv(result.out_dir / "stream-summary.csv")
+    assert np.allclose(summary.spread, summary.max_ts / summary.min_ts)
+    assert (summary.noisy == (summary.spread > 1.5)).all() and summary.max_load_1m.notna().all()
 
 
 def test_the_stream_points_carry_the_tiers_figures_and_mmap_none(result):
@@ -224,3 +232,108 @@ def test_the_plots_take_the_repeats_from_the_folders_runs(tmp_path, monkeypatch)
     monkeypatch.setattr(plot, "stream_plot", lambda summary, r, path, mode, title="": seen.append(r) or path)
     assert stream.plot(stream.summarize(runs), tmp_path, "t") == [tmp_path / "stream-tg.png"]
     assert len(seen) == 1 and sorted(seen[0].avg_ts) == sorted(runs.avg_ts)
+
+
+# --------------------------------------------------------------------------- issue 52, item 7: noise and the server's bars
+
+def _noisy_runs() -> pd.DataFrame:
+    """The issue's run: resident repeats of 65.0, 2.19 and 0.45 tok/s, the other points steady; each run
+    with the load average it started under (figures made up, not measured)."""
+    rows = []
+    for rep, (res, load) in enumerate(((65.0, 0.4), (2.19, 3.1), (0.45, 2.7))):
+        for point, kind, ts in (("mmap", "mmap", 1.0 + 0.1 * rep), ("defaults", "defaults", 8.0 + 0.2 * rep),
+                                ("resident", "resident", res)):
+            rows.append(dict(point=point, kind=kind, mode="tg", repeat=rep, avg_ts=ts, stream_hit_pct=np.nan,
+                             read_mib_per_token=4.0, stream_read_mib_per_token=2.0, majflt_per_token=0.0,
+                             stream_io_wait_s=0.1, peak_mib=100.0, probe_mib_s=400.0, load_1m=load))
+    return pd.DataFrame(rows)
+
+
+def test_a_point_whose_repeats_spread_is_flagged_with_the_load_beside_it():
+    """One bench-stream run had resident repeats of 65.0, 2.19 and 0.45 tok/s, and its medians and plots said
+    nothing. The summary flags a point whose repeats spread over 1.5x, with the highest load average its
+    runs started under, in the CSV's columns and in the printed table, with one line under it."""
+    from pybmoe.bench import noise
+    s = stream.summarize(stream.add_limits(_noisy_runs())).set_index("point")
+    assert s.loc["resident", "spread"] == pytest.approx(65.0 / 0.45)
+    assert s.loc["resident", "noisy"] and not s.loc["mmap", "noisy"] and not s.loc["defaults", "noisy"]
+    assert s.loc["resident", "max_load_1m"] == 3.1 and s.loc["mmap", "max_load_1m"] == 3.1
+    assert s.loc["defaults", "spread"] == pytest.approx(8.4 / 8.0) and noise.SPREAD_LIMIT == 1.5
+    text = stream.format_summary(s.reset_index())
+    header, lines = text.splitlines()[0], [ln for ln in text.splitlines() if ln.startswith("noisy:")]
+    assert "noisy" in header.split()
+    row = next(ln for ln in text.splitlines() if ln.split()[:1] == ["resident"])
+    assert row.rstrip().endswith("spread 144.4x, load 3.1")
+    assert lines == [f"noisy: point=resident mode=tg: its repeats spread 0.45 .. 65 tok/s (144.4x, over 1.5x); the "
+                     f"1-minute load average was up to 3.1 on {os.cpu_count()} CPUs"
+                     + (" (the runs shared the cores)" if 3.1 > os.cpu_count() else "")
+                     + ": its median is not a measurement; rerun it on a quiet machine"]
+    with pytest.raises(ValueError, match="spread limit 0.5; accepted: a factor >= 1"):
+        noise.flag_spread(s.reset_index(), _noisy_runs(), ["point", "mode"], limit=0.5)
+
+
+def test_the_sweep_summary_flags_noise_too():
+    """pybmoe sweep's medians: the same columns, the table's column and the line under it."""
+    from pybmoe.bench import sweeps
+    rows = []
+    for rep, (ts, load) in enumerate(((10.0, 0.5), (30.0, 2.5), (11.0, 0.7))):
+        for slots, v in ((0, 5.0 + rep * 0.1), (8, ts)):
+            rows.append(dict(runner="bench", backend="rpc", spec="off", n_threads=2, n_ubatch=512, mode="tg",
+                             slots=slots, inserts=0, max_batch=0, sync=False, avg_ts=v, hit_pct=50.0, resident_mib=1.0,
+                             uploads=3, upload_wait_ms_per_step=0.0, h2d_per_step=1.0, overflow=False, repeat=rep,
+                             load_1m=load))
+    s = sweeps.summarize(pd.DataFrame(rows))
+    on = s[s.slots == 8].iloc[0]
+    assert on.spread == pytest.approx(3.0) and on.noisy and on.max_load_1m == 2.5
+    assert not s[s.slots == 0].iloc[0].noisy
+    text = sweeps.format_summary(s)
+    assert "| spread 3.0x, load 2.5 |" in text
+    assert [ln for ln in text.splitlines() if ln.startswith("noisy: mode=tg backend=rpc slots=8 inserts=0: its "
+                                                            "repeats spread 10 .. 30 tok/s (3.0x, over 1.5x)")]
+
+
+def _server_summary() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A server point's runs (1 client and 4 at once, two repeats) and their summary (made up, not measured)."""
+    sruns = pd.DataFrame([dict(point="server", clients=c, status="ok", decode_ts=ts, wall_ts=ts * 0.8, ttft_s=0.5,
+                               hit_pct=50.0, n_ctx_slot=4096, n_slots=4, budget_mb=100.0, cycle_mb=50.0,
+                               serving_budget_mb=100.0, peak_mib=500.0, oom_kills=0, load_1m=0.5, repeat=rep)
+                          for rep in range(2) for c, ts in ((1, 6.0 + rep), (4, 9.0 + rep))])
+    summary = stream.summarize(stream.add_limits(_runs_by_hand()))
+    return stream.summarize_server(sruns, summary), sruns
+
+
+def test_the_server_point_is_plotted_beside_the_others():
+    """`bench-stream --server` wrote the server's CSVs but no plot: its bars (1 client, 4 clients) are in
+    stream-tg.png beside llama-bench's points, each repeat a dot, the ratio over mmap on the bar."""
+    from pybmoe.bench import plot
+    ssum, sruns = _server_summary()
+    runs = stream.add_limits(_runs_by_hand())
+    summary, both = stream.plot_frames(stream.summarize(runs), Path("/nonexistent"), runs, ssum, sruns)
+    fig = plot.stream_figure(summary, both, "tg", title="t")
+    try:
+        ax, bx = fig.axes
+        ticks = [t.get_text() for t in bx.get_xticklabels()]
+        assert ticks == ["mmap", "defaults", "stream:8", "resident\n(no limit, warm)", "server/1 client",
+                         "server/4 clients"]
+        dots = next(c for c, lab in zip(*ax.get_legend_handles_labels()) if lab == "each repeat")
+        assert sorted(dots.get_offsets()[:, 1]) == sorted([*runs.avg_ts, *sruns.decode_ts])
+        mmap = float(summary[(summary.point == "mmap") & (summary["mode"] == "tg")].median_ts.iloc[0])
+        assert f"{6.5 / mmap:.2f}x" in [t.get_text() for t in ax.texts]  # server/1 client: the median of 6 and 7
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+
+
+def test_the_plots_take_the_server_point_from_the_folder(tmp_path):
+    """stream.plot(summary, out, title), as bench_stream calls it after a --server run, reads the server's
+    CSVs from the folder and writes its bars into stream-tg.png (only there: the server point is decode)."""
+    ssum, sruns = _server_summary()
+    runs = stream.add_limits(_runs_by_hand())
+    runs.to_csv(tmp_path / "stream-runs.csv", index=False)
+    ssum.to_csv(tmp_path / "server-summary.csv", index=False)
+    sruns.to_csv(tmp_path / "server-runs.csv", index=False)
+    summary, both = stream.plot_frames(stream.summarize(runs), tmp_path)
+    assert list(summary.point[-2:]) == ["server/1 client", "server/4 clients"]
+    assert sorted(both[both.point == "server/4 clients"].avg_ts) == [9.0, 10.0]
+    assert stream.plot(stream.summarize(runs), tmp_path, "t") == [tmp_path / "stream-tg.png"]
+    assert (tmp_path / "stream-tg.png").read_bytes()[:4] == b"\x89PNG"
