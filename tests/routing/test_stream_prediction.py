@@ -83,4 +83,4 @@ def test_pybmoe_size_prints_the_prediction_per_budget(capsys):
     assert rc == 0 and out.count("predicted ") == 2 and "--moe-stream-cache-mb 2:" in out
     assert "(+8 of the prefetch window in decode)" in out  # a quarter of the 32 experts
     assert size.main(["-m", str(model), "--stream-mb", "2"]) == 2  # no trace, no bandwidth
-    assert "--stream-mb needs --trace and --disk-mib-s" in capsys.readouterr().err
+    assert "--stream-mb 2 needs --trace and --disk-mib-s" in capsys.readouterr().err  # names the value (issue 52)
