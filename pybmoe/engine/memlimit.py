@@ -126,6 +126,9 @@ def read_oom_kills(path: Path, v1: bool) -> int | None:
     return None
 
 
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
 def cached_bytes(path: str | os.PathLike) -> int:
     """Bytes of the file ``path`` in the page cache now (``mincore`` over a read-only mapping of it:
     the kernel's own count, a page at a time; the mapping touches no page). Raises :class:`OSError`
@@ -153,7 +156,7 @@ def cached_bytes(path: str | os.PathLike) -> int:
             if libc.mincore(addr, size, vec) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, os.strerror(err), os.fspath(path))
-            resident = sum(b & 1 for b in bytes(vec))
+            resident = bytes(vec).translate(_LOW_BIT).count(1)  # the low bit: resident (the others are reserved)
         finally:
             libc.munmap(addr, size)
     finally:
