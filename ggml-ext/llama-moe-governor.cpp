@@ -4,8 +4,8 @@
 
 #include <algorithm>
 
-int64_t llama_moe_governor_step(int64_t entry_cost) {
-    return std::max<int64_t>(16ll << 20, 4 * entry_cost);
+int64_t llama_moe_governor_step(int64_t entry_cost, int64_t total_bytes) {
+    return std::max<int64_t>(std::min<int64_t>(16ll << 20, total_bytes / 8), 4 * entry_cost);
 }
 
 int64_t llama_moe_governor_target(const llama_moe_governor_input & in) {

@@ -37,5 +37,5 @@ struct llama_moe_governor_input {
 // the budget the rule gives, bytes (whole entries; the budget itself when nothing moves)
 int64_t llama_moe_governor_target(const llama_moe_governor_input & in);
 
-// the step: 16 MiB, or 4 entries when they cost more
-int64_t llama_moe_governor_step(int64_t entry_cost);
+// the step, bytes: 16 MiB, or an eighth of every streamed expert when that is less, and at least 4 entries
+int64_t llama_moe_governor_step(int64_t entry_cost, int64_t total_bytes);

@@ -219,11 +219,11 @@ void llama_moe_stream::govern(bool force) {
     warn_cycle(before);
     if (std::abs(budget_bytes - gov_said) >= gov_step) {
         const double mib = 1024.0 * 1024.0;
-        LLAMA_LOG_INFO("llama_moe_stream: moe-stream: budget %s to %.1f MiB (%lld experts, from %.1f MiB at the last line): "
+        LLAMA_LOG("llama_moe_stream: moe-stream: budget %s to %.1f MiB (%lld experts, from %.1f MiB at the last line): "
                 "%.0f MiB free now, %.0f MiB of it still to be filled by the tier, %.0f MiB kept free (floor and one ubatch's "
-                "KV cells), at most %.1f MiB beside the contexts now\n", budget_bytes < gov_said ? "yields" : "grows",
-                budget_bytes / mib, (long long) (budget_bytes / (int64_t) entry_bytes), gov_said / mib, free / mib,
-                in.unfilled / mib, in.reserve / mib, in.cap / mib);
+                "KV cells), at most %.1f MiB beside the contexts now, steps of %.2f MiB\n", budget_bytes < gov_said ? "yields" :
+                "grows", budget_bytes / mib, (long long) (budget_bytes / (int64_t) entry_bytes), gov_said / mib, free / mib,
+                in.unfilled / mib, in.reserve / mib, in.cap / mib, gov_step / mib);
         gov_said = budget_bytes;
     }
 }

@@ -486,7 +486,7 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
     st.auto_room_entries = sz.room_entries;
     st.auto_cap_entries  = sz.cap_entries;
     st.elastic           = sw.elastic;
-    st.gov_step          = llama_moe_governor_step(in.entry_cost);
+    st.gov_step          = llama_moe_governor_step(in.entry_cost, in.total_bytes);
 
     if (!llama_moe_stream_reserve(st, model, mc, ils)) {
         return -1;

@@ -191,8 +191,14 @@ SLOW: dict[str, str | set[str]] = {
     },
     "tests/engine/test_upstream_server.py": "*",  # 37 s
     "tests/engine/test_stream_fit.py": "*",  # 12 engine runs on fake /proc trees: about 30 s
+    "tests/engine/test_stream_elastic.py": {  # 5 s, 2 x 30 s (three 470-token runs each), a server's three requests
+        "test_a_context_commits_its_kv_cache_as_it_fills_and_a_removed_sequence_gives_it_back",
+        "test_a_context_filled_to_92_percent_is_exact",
+        "test_the_budget_yields_to_another_process_and_grows_back",
+        "test_a_default_context_keeps_its_full_size_where_it_fits_beside_the_minimum",
+    },
     "tests/engine/test_serve_limit.py": {  # servers under a real limit, a reference server
-        "test_the_server_shrinks_a_default_context_under_a_real_limit_and_answers",  # 6 s
+        "test_the_server_fits_a_default_context_under_a_real_limit_and_answers",  # 6 s
         "test_an_oom_kill_of_the_server_is_named_in_one_line",  # 3 s
         "test_a_model_file_that_shrinks_under_the_server_is_named",  # 3 s
     },

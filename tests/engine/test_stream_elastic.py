@@ -85,6 +85,33 @@ def test_a_context_filled_to_92_percent_is_exact(model, tmp_path, fa):
     assert re.search(r"KV caches 0\.0 of 0\.0 MiB committed", static.log), static.log[-2000:]
 
 
+def test_a_default_context_keeps_its_full_size_where_it_fits_beside_the_minimum(model, tmp_path, mem_root):
+    """Room for the full default context (16384 tokens) and the tier's minimum, not for the cycle beside
+    it: the static plan shrinks the context, the elastic one keeps it and lends its room while it is empty."""
+    from test_stream_fit import FLOOR, ctx_mib, fit_line, run
+    import gguf
+    r = gguf.GGUFReader(str(model))
+    dense = sum(int(t.n_bytes) for t in r.tensors if "_exps.weight" not in t.name)
+    probe = run(model, tmp_path, None, ["--moe-stream-cache-mb", "auto"], "probe")
+    full = ctx_mib(probe.log, 16384)
+    least = float(re.search(r"least_mb=([\d.]+)", probe.log).group(1))
+    cycle = float(re.search(r"cache_cycle_mb=([\d.]+)", probe.log).group(1))
+    avail_mib = (dense + FLOOR) / MIB + full + least + 1.0
+    assert least + 1.0 < cycle * 1.1, (least, cycle)
+    root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
+    static = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "static")
+    assert "-> shrunk to" in fit_line(static.log), fit_line(static.log)
+    el = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "elastic", elastic=True)
+    line = fit_line(el.log)
+    assert "the default context (16384 tokens)" in line and ": kept" in line, line
+    now, when_full = (float(x) for x in re.search(r"budget ([\d.]+) MiB now .*?, ([\d.]+) MiB when every context is "
+                                                   r"full", line).groups())
+    assert least <= when_full < cycle * 1.1 and now > when_full, line
+    assert re.search(r"^n_ctx 16384 n_seq", el.log, re.M), el.log[-2000:]
+    base = run(model, tmp_path, None, [], "base", ctx=16384)
+    assert el.tokens == base.tokens and el.logits == base.logits
+
+
 def metrics(srv: engine.LlamaServer) -> dict[str, float]:
     out = {}
     for line in srv.get("/metrics").splitlines():
@@ -119,7 +146,7 @@ def test_the_budget_yields_to_another_process_and_grows_back(model, tmp_path, me
     assert m1["moe_stream_free_bytes"] == 66 * MIB
     assert m1["moe_stream_yields_total"] >= 1 and m1["moe_stream_budget_bytes"] < m0["moe_stream_budget_bytes"], (m0, m1)
     # the rule, from the figures its line gives (MiB, rounded): the budget gave what the slack lacked, plus half
-    # a 16 MiB step, in whole entries; never under the minimum
+    # a step, in whole entries; never under the minimum
     line = next(ln for ln in log.splitlines() if "moe-stream: budget yields to" in ln)
     g = re.search(r"from ([\d.]+) MiB at the last line\): (\d+) MiB free now, (\d+) MiB of it still to be filled by "
                   r"the tier, (\d+) MiB kept free", line)
@@ -128,7 +155,8 @@ def test_the_budget_yields_to_another_process_and_grows_back(model, tmp_path, me
     assert free == 66 and reserve >= 64
     entry = float(re.search(r"entry_mb=([\d.]+)", log).group(1))
     least = float(re.search(r"least_mb=([\d.]+)", log).group(1))
-    lack = unfilled + reserve - free + 8
+    step = float(re.search(r"steps of ([\d.]+) MiB", line).group(1))
+    lack = unfilled + reserve - free + step / 2
     want = max(least, was - lack)
     got = float(re.search(r"budget yields to ([\d.]+) MiB", line).group(1))
     assert got == pytest.approx(want, abs=2 * entry + 1.5), (line, want)

@@ -1,5 +1,7 @@
-"""The contexts and the disk tier's budget fitted together before any context is allocated (issue 40),
-on a fake ``/proc`` tree (``PYBMOE_MEM_ROOT``): no root, no real limit.
+"""The contexts and the disk tier's budget fitted together before any context is allocated, on a fake
+``/proc`` tree (``PYBMOE_MEM_ROOT``): no root, no real limit. These are the static plan's tests
+(``PYBMOE_MOE_STREAM_ELASTIC=0``: a context's KV cache committed at creation); the elastic plan, the
+default, is tested in test_stream_elastic.py.
 
 The model: 2 layers, 16 experts, top-3, Q8_0, trained context 16384 tokens (one entry 0.50 MiB, a
 cache cycle of 3.0 MiB; the KV cache about 1 KiB a token). ``pybmoe-logits`` creates its context
@@ -52,8 +54,10 @@ def facts(model):
                 cycle=SHAPE["n_layer"] * SHAPE["n_expert_used"] * entry)
 
 
-def run(model, tmp, root: Path | None, extra: list[str], name: str, ctx: int | None = None) -> engine.LogitsRun:
+def run(model, tmp, root: Path | None, extra: list[str], name: str, ctx: int | None = None,
+        elastic: bool = False) -> engine.LogitsRun:
     env = {k: v for k, v in os.environ.items() if k != "PYBMOE_MEM_ROOT"}
+    env["PYBMOE_MOE_STREAM_ELASTIC"] = "1" if elastic else "0"
     if root is not None:
         env["PYBMOE_MEM_ROOT"] = str(root)
     return engine.run_logits(model, tmp / f"{name}.bin", ["-ngl", "0", "--no-repack", "-ub", "1", "-b", "64", *extra],
