@@ -145,7 +145,7 @@ void llama_moe_cache_before_ubatch(const llama_model & model) {
     if (mc->stream.on()) {
         // the governor's turn, before this ubatch commits new KV cells (evict, then run)
         std::lock_guard<std::mutex> lock(mc->mutex);
-        mc->stream.govern(false);
+        mc->stream.govern();
     }
     mc->n_busy++;
 }

@@ -141,7 +141,6 @@ void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t 
     const double mib = 1024.0 * 1024.0;
     // elastic: the KV cache commits as it fills, and the governor sees it in the memory it reads
     contexts[ctx] = elastic ? host_bytes - kv : host_bytes;
-    context_kv[ctx] = kv;
     context_kv_ubatch[ctx] = elastic ? kv_ubatch : 0;
     context_threads[ctx] = std::max<int32_t>(1, n_threads);
     update_overlap();
@@ -182,12 +181,12 @@ void llama_moe_stream::on_context(const void * ctx, int64_t host_bytes, int64_t 
     gov_said = budget_bytes;
 }
 
-void llama_moe_stream::govern(bool force) {
+void llama_moe_stream::govern() {
     if (!elastic || !on()) {
         return;
     }
     const int64_t now = ggml_time_us();
-    if (!force && now - gov_last_us < 2000) {
+    if (now - gov_last_us < 2000) {
         return;
     }
     gov_last_us = now;
@@ -230,7 +229,6 @@ void llama_moe_stream::govern(bool force) {
 
 void llama_moe_stream::on_context_free(const void * ctx) {
     context_threads.erase(ctx);
-    context_kv.erase(ctx);
     context_kv_ubatch.erase(ctx);
     update_overlap();
     if (contexts.erase(ctx) == 0) {

@@ -6,10 +6,10 @@
 // (llama-moe-stream.cpp).
 
 #include "llama-moe-fit.h"
+#include "llama-moe-governor.h"
 #include "llama-moe-memory.h"
 #include "llama-moe-model.h"
 #include "llama-moe-stream-sizing.h"
-#include "llama-moe-governor.h"
 #include "llama-moe-switches.h"
 
 #include "llama-impl.h"

@@ -131,7 +131,6 @@ struct llama_moe_stream : llama_moe_ram_copies {
     // memory as they fill (llama-moe-kv.h), so a context costs the budget nothing up front; the governor
     // (llama-moe-governor.h) makes the budget follow the memory at run time, before each ubatch (govern)
     bool elastic = true;
-    std::map<const void *, int64_t> context_kv;         // live contexts -> their KV cache's capacity, bytes
     std::map<const void *, int64_t> context_kv_ubatch;  // live contexts -> the KV bytes of one full ubatch's cells
     int64_t gov_step      = 0;  // the governor's hysteresis, bytes
     int64_t gov_said      = 0;  // the budget its last line gave
@@ -152,9 +151,9 @@ struct llama_moe_stream : llama_moe_ram_copies {
     }
 
     // the governor's turn (no graph in flight): reads the memory free now and moves the budget by the rule of
-    // llama-moe-governor.h; one INFO line when the budget moved by a step or more since the last one, the
-    // cycle WARN on each crossing. At most every 2 ms unless `force`
-    void govern(bool force);
+    // llama-moe-governor.h; one line when the budget moved by a step or more since the last one, the
+    // cycle WARN on each crossing. At most every 2 ms
+    void govern();
 
     int64_t contexts_bytes() const {
         int64_t n = 0;

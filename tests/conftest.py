@@ -376,15 +376,21 @@ def fake_root(tmp_path):
 MIB = 2**20
 
 
+def write_meminfo(root: Path, avail_mib: float, total_mib: float = 32768) -> None:
+    """(Re)writes a fake tree's proc/meminfo: MemTotal, and MemFree = MemAvailable = avail_mib (MiB). A run
+    reading the tree sees the new figures at its next read (another process took or gave back memory)."""
+    (root / "proc" / "meminfo").write_text(f"MemTotal:       {int(total_mib * 1024)} kB\n"
+                                           f"MemFree:        {int(avail_mib * 1024)} kB\n"
+                                           f"MemAvailable:   {int(avail_mib * 1024)} kB\n")
+
+
 def _mem_root(tmp: Path, *, avail_mib: float, total_mib: float = 32768, cgroup: str | None = None,
               limit_mib: float = 0, usage_mib: float = 0, cache_mib: float = 0) -> Path:
     """A folder with proc/meminfo, proc/self/cgroup and (v1 or v2) the cgroup's files, for
     ``PYBMOE_MEM_ROOT`` (sizes in MiB)."""
     root = tmp / f"root-{cgroup}-{avail_mib}-{limit_mib}"
     (root / "proc" / "self").mkdir(parents=True, exist_ok=True)
-    (root / "proc" / "meminfo").write_text(f"MemTotal:       {int(total_mib * 1024)} kB\n"
-                                           f"MemFree:        {int(avail_mib * 1024)} kB\n"
-                                           f"MemAvailable:   {int(avail_mib * 1024)} kB\n")
+    write_meminfo(root, avail_mib, total_mib)
     if cgroup == "v1":
         (root / "proc" / "self" / "cgroup").write_text("12:cpu,cpuacct:/\n5:memory:/box\n0::/\n")
         d = root / "sys" / "fs" / "cgroup" / "memory" / "box"

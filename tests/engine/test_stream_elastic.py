@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import write_meminfo
 from pybmoe import engine, models
 from pybmoe.engine import bindings
 
@@ -121,12 +122,6 @@ def metrics(srv: engine.LlamaServer) -> dict[str, float]:
     return out
 
 
-def write_avail(root: Path, avail_mib: float, total_mib: float = 1000) -> None:
-    (root / "proc" / "meminfo").write_text(f"MemTotal:       {int(total_mib * 1024)} kB\n"
-                                           f"MemFree:        {int(avail_mib * 1024)} kB\n"
-                                           f"MemAvailable:   {int(avail_mib * 1024)} kB\n")
-
-
 def test_the_budget_yields_to_another_process_and_grows_back(model, tmp_path, mem_root):
     root = mem_root(tmp_path, avail_mib=600, total_mib=1000)
     srv = engine.LlamaServer(["-m", str(model), "-ngl", "0", "--no-repack", "-c", "4096", "-np", "1", "-t", "2",
@@ -136,10 +131,10 @@ def test_the_budget_yields_to_another_process_and_grows_back(model, tmp_path, me
         m0 = metrics(srv)
         assert m0["moe_stream_free_bytes"] == 600 * MIB and m0["moe_stream_yields_total"] == 0, m0
         # another process takes all but the floor (64 MiB under a 1000 MiB MemTotal) and 2 MiB
-        write_avail(root, 66)
+        write_meminfo(root, 66, total_mib=1000)
         srv.completion(TEXT, n_predict=8)
         m1 = metrics(srv)
-        write_avail(root, 600)
+        write_meminfo(root, 600, total_mib=1000)
         srv.completion(TEXT, n_predict=8)
         m2 = metrics(srv)
     log = srv.stop()
