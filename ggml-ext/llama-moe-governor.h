@@ -2,9 +2,9 @@
 
 // pybmoe: the stream tier's governor: the budget follows the memory at run time.
 //
-// The rule (docs/stream-tier.md, "Serving under a memory limit"): before each ubatch (no graph in
-// flight; an idle server is not polled), the memory free now is read (the cgroup's limit less what it cannot
-// reclaim, and MemAvailable). What the tier may still commit under its budget (entries not resident
+// The rule (docs/stream-tier.md, "Serving under a memory limit"): before each ubatch, and every 100 ms
+// while no graph runs (an idle server: llama-moe-governor-poll.h), the memory free now is read (the
+// cgroup's limit less what it cannot reclaim, and MemAvailable). What the tier may still commit under its budget (entries not resident
 // yet, the prefetch window) is spoken for already; what must stay free is the floor plus the largest
 // ubatch's new KV cells. The slack is what is left:
 //

@@ -39,6 +39,9 @@ void llama_moe_cache_record_sources(llama_model & model, const llama_model_loade
 }
 
 void llama_moe_cache_free(llama_moe_tiers * mc) {
+    if (mc) {
+        mc->gov_poll.stop();
+    }
     llama_moe_sigbus_unregister(mc);
     delete mc;
 }
@@ -59,6 +62,8 @@ void llama_moe_cache_on_context_init(const llama_model & model, const void * ctx
     const int64_t  kv_ubatch = (int64_t) ((double) kv * std::min(llama_n_ubatch(lctx), n_ctx) / n_ctx);
     mc->stream.on_context(ctx, (int64_t) (kv + compute + output), (int64_t) kv, (int64_t) compute, (int64_t) output,
                           kv_ubatch, n_threads);
+    // the plan is made: from here the governor also has its turns while no graph runs (once per model)
+    llama_moe_governor_idle_start(mc);
 }
 
 void llama_moe_cache_on_context_free(const llama_model & model, const void * ctx) {
@@ -151,6 +156,21 @@ void llama_moe_cache_before_ubatch(const llama_model & model) {
 }
 
 static void llama_moe_cache_step(llama_moe_tiers * mc, ggml_backend_sched_t sched, const llama_ubatch * ubatch);
+
+void llama_moe_governor_idle_start(llama_moe_tiers * mc) {
+    if (mc == nullptr || !mc->stream.on() || !mc->stream.elastic) {
+        return;
+    }
+    mc->gov_poll.start([mc]() {
+        // a graph that runs holds the lock, and its before-step is the governor's turn
+        std::unique_lock<std::mutex> graph(mc->graph_mutex, std::try_to_lock);
+        if (!graph.owns_lock()) {
+            return;
+        }
+        std::lock_guard<std::mutex> lock(mc->mutex);
+        mc->stream.govern();
+    }, LLAMA_MOE_GOVERNOR_IDLE_MS);
+}
 
 void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch * ubatch) {
     llama_moe_tiers * mc = model.moe_cache;

@@ -10,6 +10,7 @@
 
 #include "llama-moe-base.h"
 #include "llama-moe-dense.h"
+#include "llama-moe-governor-poll.h"
 #include "llama-moe-hooks.h"
 #include "llama-moe-replay.h"
 #include "llama-moe-source.h"
@@ -50,6 +51,10 @@ struct llama_moe_tiers : llama_moe_base {
     // graph reads them. One thread runs its contexts one after the other, so it never waits on itself.
     std::mutex graph_mutex;
 
+    // the stream tier's governor between ubatches (llama-moe-governor-poll.h); the last member, so it
+    // stops before anything it reads is destroyed
+    llama_moe_governor_poll gov_poll;
+
     bool active() const {
         return vram.enabled() || stream.on() || trace.on() || replay.on();
     }
@@ -63,3 +68,10 @@ struct llama_moe_tiers : llama_moe_base {
     llama_moe_tiers(const llama_moe_tiers &) = delete;
     llama_moe_tiers & operator=(const llama_moe_tiers &) = delete;
 };
+
+// how often an idle model's governor has its turn, milliseconds (llama-moe-governor-poll.h)
+#define LLAMA_MOE_GOVERNOR_IDLE_MS 100
+
+// starts the governor's turns while no graph runs, where the stream tier is on and elastic (at the first
+// context: the plan at load is made by then); later calls do nothing
+void llama_moe_governor_idle_start(llama_moe_tiers * mc);

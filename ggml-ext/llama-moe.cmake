@@ -6,6 +6,7 @@ target_sources(llama PRIVATE
     ${PYBMOE_EXT_DIR}/llama-moe-memory.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-kv.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-governor.cpp
+    ${PYBMOE_EXT_DIR}/llama-moe-governor-poll.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-sigbus.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-fit.cpp
     ${PYBMOE_EXT_DIR}/llama-moe-residency.cpp
