@@ -96,6 +96,21 @@ static int32_t llama_moe_apply_cache(llama_model * model, const llama_moe_params
 // the stream tier (before the fit, the dense policy and the trace, whose rows carry its hits)
 static int32_t llama_moe_apply_stream(llama_model * model, const llama_moe_params & p, llama_moe_apply_report & rep) {
     if (p.stream_mib == 0) {
+        // a companion flag given without the tier does nothing: say so rather than run as if it did
+        std::string given;
+        if (p.stream_floor_mib != LLAMA_MOE_STREAM_FLOOR_AUTO) {
+            given += format(" --moe-stream-floor-mb %d", p.stream_floor_mib);
+        }
+        if (p.stream_ceil_mib != 0) {
+            given += format(" --moe-stream-ceil-mb %d", p.stream_ceil_mib);
+        }
+        if (p.stream_io_threads != LLAMA_MOE_STREAM_IO_THREADS_DEFAULT) {
+            given += format(" --moe-stream-io-threads %d", p.stream_io_threads);
+        }
+        if (!given.empty()) {
+            LLAMA_LOG_WARN("%s: WARNING%s %s no effect without the stream tier (--moe-stream-cache-mb N|auto)\n", __func__,
+                    given.c_str(), given.find(" --", 1) == std::string::npos ? "has" : "have");
+        }
         return LLAMA_MOE_APPLY_OK;
     }
     const std::string budget = llama_moe_apply_count(p.stream_mib, LLAMA_MOE_STREAM_AUTO);

@@ -12,6 +12,23 @@ static int64_t llama_moe_fit_div_up(int64_t a, int64_t b) {
     return a >= 0 ? (a + b - 1) / b : -((-a) / b);
 }
 
+uint32_t llama_moe_fit_n_ctx(uint32_t n_ctx, uint32_t n_seq, bool unified) {
+    const uint32_t pad = 256;
+    n_ctx = (n_ctx + pad - 1) / pad * pad;
+    if (unified || n_seq <= 1) {
+        return n_ctx;
+    }
+    const uint32_t per_slot = (n_ctx / n_seq + pad - 1) / pad * pad;
+    return per_slot * n_seq;
+}
+
+// whether contexts of `bytes` run beside the tier's minimum (the floor giving way down to what must stay
+// free): the line between a context that runs, under the cycle, and one that is refused
+static bool llama_moe_fit_fits(const llama_moe_fit_input & in, int64_t bytes) {
+    const int64_t least_cost = in.least_bytes / std::max<int64_t>(in.entry_bytes, 1) * in.entry_cost;
+    return bytes >= 0 && in.room_bytes + in.floor_slack_bytes - bytes >= least_cost;
+}
+
 int64_t llama_moe_fit_budget(const llama_moe_fit_input & in, int64_t ctx_bytes) {
     // the room holds whole entries of entry_cost each; the contexts take whole entries from it (as
     // llama_moe_stream::auto_room does once they exist)
@@ -84,8 +101,7 @@ llama_moe_fit_plan llama_moe_fit_make_plan(const llama_moe_fit_input & in, const
         const bool changed = n_ctx != in.n_ctx || n_seq != std::max(1u, in.n_seq);
         // under the minimum, the floor may give way down to what must stay free
         // (in bytes, not whole entries: the minimum's entries and the contexts beside what must stay free)
-        const int64_t least_cost = in.least_bytes / std::max<int64_t>(in.entry_bytes, 1) * in.entry_cost;
-        const bool fits = bytes >= 0 && in.room_bytes + in.floor_slack_bytes - bytes >= least_cost;
+        const bool fits = llama_moe_fit_fits(in, bytes);
         if (!keeps && fits) {
             p.budget_bytes = std::max(p.budget_bytes, in.least_bytes);
         }
@@ -247,9 +263,13 @@ std::string llama_moe_fit_describe(const llama_moe_fit_input & in, const llama_m
             break;
         case LLAMA_MOE_PLAN_SHRUNK:
             s += llama_moe_fit_fmt(" and would leave the experts %.1f MiB, under %s -> shrunk to %s (%.1f MiB): budget "
-                    "%.1f MiB; %s restores the full context (and leaves the experts %.1f MiB)", asked_budget / mib,
-                    target.c_str(), got.c_str(), p.ctx_bytes / mib, p.budget_bytes / mib, flags.c_str(),
-                    std::max<int64_t>(asked_budget, 0) / mib);
+                    "%.1f MiB", asked_budget / mib, target.c_str(), got.c_str(), p.ctx_bytes / mib, p.budget_bytes / mib);
+            // a line names only flags that run: the full context as asked would be refused under the minimum
+            s += llama_moe_fit_fits(in, p.asked_bytes) ?
+                    llama_moe_fit_fmt("; %s restores the full context (and leaves the experts %.1f MiB)", flags.c_str(),
+                            std::max<int64_t>(asked_budget, 0) / mib) :
+                    llama_moe_fit_fmt("; the full context does not fit beside the tier's minimum here (%s would be refused)",
+                            flags.c_str());
             break;
         case LLAMA_MOE_PLAN_UNDER_CYCLE:
             if (p.n_ctx != in.n_ctx || p.n_seq != in.n_seq) {
@@ -278,7 +298,7 @@ std::string llama_moe_fit_describe(const llama_moe_fit_input & in, const llama_m
     }
     if (p.clamped) {
         s += llama_moe_fit_fmt("; the fixed budget of %.0f MiB does not fit beside the contexts: clamped to %.1f MiB",
-                in.fixed_bytes / mib, p.budget_bytes / mib);
+                std::max(in.fixed_asked, in.fixed_bytes) / mib, p.budget_bytes / mib);
     }
     return s;
 }

@@ -19,7 +19,8 @@
 struct llama_moe_fit_input {
     // the stream tier after init
     bool    is_auto      = true;
-    int64_t fixed_bytes  = 0; // a fixed budget (is_auto false)
+    int64_t fixed_bytes  = 0; // a fixed budget (is_auto false), at most every streamed expert
+    int64_t fixed_asked  = 0; // the fixed budget as the user gave it, for the line
     // what the budget and the contexts share: the memory available at init minus the dense weights in
     // host memory, the prefetch window and the floor (what auto leaves free; a fixed budget leaves it too)
     int64_t room_bytes   = 0;
@@ -82,6 +83,11 @@ struct llama_moe_fit_plan {
     int64_t  now_bytes    = -1;
     int64_t  budget_now   = 0;
 };
+
+// the context llama_context creates for -c n_ctx over n_seq slots, tokens in all: upstream pads n_ctx to
+// 256 tokens and, not unified, each slot's share to 256 tokens again (-c 14080 -np 4: 4 x 3584 = 14336).
+// The plan is made for that context, so it measures what will be created.
+uint32_t llama_moe_fit_n_ctx(uint32_t n_ctx, uint32_t n_seq, bool unified);
 
 // the budget beside contexts of ctx_bytes: auto takes the room left in whole entries, a fixed budget
 // the smaller of itself and that room; both at most the cap (may be < 0: nothing fits)

@@ -1,6 +1,7 @@
 // pybmoe: the stream tier's reads in flight and the CPU kernel's wait for them. See llama-moe-inflight.h.
 
 #include "llama-moe-inflight.h"
+#include "llama-moe-source.h"
 #include "llama-moe-waves.h"
 
 #include "ggml.h"
@@ -112,8 +113,12 @@ void llama_moe_inflight::wait(int64_t entry, int32_t p) {
     }
     if (failed.load(std::memory_order_acquire)) {
         // note: the expert's bytes are not there, so the layer's output would be wrong: stop here
-        std::lock_guard<std::mutex> lock(mutex);
-        GGML_ABORT("%s", error.c_str());
+        std::string err;
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            err = error;
+        }
+        llama_moe_read_failed(err);
     }
 }
 

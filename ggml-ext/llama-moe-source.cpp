@@ -132,7 +132,8 @@ void llama_moe_uploader::copy(const llama_moe_copy & c) {
     FILE * f = files[c.file];
     if (llama_moe_fseek(f, (long long) c.offs, SEEK_SET) != 0 || fread(buf, 1, c.nbytes, f) != c.nbytes) {
         // note: the slot stays zero, so the output would be wrong; this is unrecoverable
-        GGML_ABORT("moe-cache: cannot read %zu bytes at offset %zu of %s", c.nbytes, c.offs, paths[c.file].c_str());
+        llama_moe_read_failed(format("moe-cache: cannot read %zu bytes at offset %zu of %s (truncated or changed on "
+                "disk?)", c.nbytes, c.offs, paths[c.file].c_str()));
     }
     file_bytes += c.nbytes;
     ggml_backend_tensor_set(c.dst, buf, c.dst_offs, c.nbytes);
@@ -147,8 +148,23 @@ void llama_moe_uploader::copy(const llama_moe_copy & c) {
 #include <unistd.h>
 #endif
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+
+void llama_moe_read_failed(const std::string & err) {
+    static std::atomic<bool> said { false };
+    if (!said.exchange(true)) {
+        // stderr directly: the server's log is written by a thread of its own, which the exit would not wait for
+        fprintf(stderr, "llama_moe_read: error: %s; the process stops (status %d: a model file must not change "
+                "while it is in use)\n", err.c_str(), LLAMA_MOE_EXIT_READ);
+        fflush(stderr);
+        std::_Exit(LLAMA_MOE_EXIT_READ);
+    }
+    for (;;) {
+        std::this_thread::sleep_for(std::chrono::seconds(1)); // the first thread writes the line and exits
+    }
+}
 
 struct llama_moe_reader::lane {
     uint8_t * bounce    = nullptr;

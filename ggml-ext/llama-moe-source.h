@@ -127,6 +127,15 @@ struct llama_moe_read {
     std::function<void(bool ok, const std::string & err)> after;
 };
 
+// The status a process stops with when an expert's bytes cannot be read (a model file truncated or
+// changed on disk under it): EX_IOERR of sysexits.h. docs/stream-tier.md, "When the model file changes".
+#define LLAMA_MOE_EXIT_READ 74
+
+// Stops the process: `err` (naming the file and the offset) in one line on stderr, then exit status
+// LLAMA_MOE_EXIT_READ, without an abort's backtrace. A layer whose expert bytes are not there would give
+// wrong output, so nothing goes on. The first thread to fail writes the line; any other waits for the exit.
+[[noreturn]] void llama_moe_read_failed(const std::string & err);
+
 // Reads ranges of the source files into memory on n_lanes threads at once. With O_DIRECT (the page
 // cache stays out of it) each lane reads the aligned window around a range in place when the job
 // allows it (llama_moe_read::in_place), else into its own aligned bounce buffer and copies the range

@@ -66,21 +66,26 @@ void llama_moe_stream::clamp_fixed(int64_t ctx_bytes) {
     const double mib = 1024.0 * 1024.0;
     const int64_t fit  = fixed_room(ctx_bytes);
     const int64_t want = std::max(fit, least_bytes());
-    if (want == budget_bytes) {
+    // the WARN compares with the budget last said (the quiet clamp at load, before any context, says nothing)
+    const bool warn = want < fixed_said;
+    if (want == budget_bytes && !warn) {
         return;
     }
-    if (want < budget_bytes) {
+    if (warn) {
         LLAMA_LOG_WARN("llama_moe_stream: moe-stream: WARNING --moe-stream-cache-mb %.0f MiB does not fit: %.0f MiB "
                 "available at load (limit %.0f MiB) - %.0f MiB dense weights - %.0f MiB prefetch window - %.0f MiB floor - "
                 "%.1f MiB of contexts' host memory leaves %.1f MiB; clamped to %.1f MiB%s (a budget over what fits would "
-                "get the process killed as the experts are read)\n", fixed_bytes / mib, avail_bytes / mib, limit_bytes / mib,
+                "get the process killed as the experts are read)\n", std::max(fixed_asked, fixed_bytes) / mib, avail_bytes / mib, limit_bytes / mib,
                 dense_bytes / mib, (double) (prefetch_entries * entry_cost) / mib, floor_bytes / mib, ctx_bytes / mib,
                 std::max<int64_t>(fit, 0) / mib, want / mib,
                 fit < least_bytes() ? format(", the mechanical minimum: the process may exceed its memory by %.0f MiB (give "
                         "it more memory, a smaller -c or -ub)", (least_bytes() - fit) / mib).c_str() : "");
     }
     const int64_t before = budget_bytes;
-    resize(want);
+    if (want != budget_bytes) {
+        resize(want);
+    }
+    fixed_said = budget_bytes;
     warn_cycle(before);
 }
 

@@ -183,8 +183,10 @@ static bool llama_moe_stream_log_sizing(const llama_moe_stream_sizing_input & in
     }
     std::string note;
     if (sz.floor_gave_way) {
-        note = format("; WARNING the floor of %.0f MiB leaves less than the minimum, so auto takes the minimum and "
-                "leaves %.0f MiB free", sz.floor_asked / mib, sz.floor_bytes / mib);
+        // a line of its own at WARN: the server's verbosity shows it (a floor given, or auto's)
+        LLAMA_LOG_WARN("%s: moe-stream: WARNING the floor of %.0f MiB%s leaves less than the tier's minimum: auto takes the minimum "
+                "(%.1f MiB) and leaves %.0f MiB free\n", __func__, sz.floor_asked / mib,
+                in.floor_bytes >= 0 ? " (--moe-stream-floor-mb)" : "", min_bytes / mib, sz.floor_bytes / mib);
     }
     if (sz.in_waves) {
         note += format("; under one layer step's largest set (%lld experts at ubatch %d): a step that needs more "
@@ -201,15 +203,21 @@ static bool llama_moe_stream_log_sizing(const llama_moe_stream_sizing_input & in
             ceil_mib > 0 ? format(", ceil %d MiB", ceil_mib).c_str() : "", (long long) sz.entries, in.entry_bytes / mib,
             (in.entry_cost - in.entry_bytes) / 1024.0, sz.budget_bytes / mib, in.total_bytes / mib, min_bytes / mib, note.c_str());
     if (sz.status == LLAMA_MOE_STREAM_UNDER_MINIMUM) {
+        // the least memory that loads the tier: what is missing on top of the limit (the contexts come beside it)
+        const int64_t need  = in.least_entries * in.entry_cost + ((int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20);
+        const int64_t short_mib = (need - sz.room_bytes + (1 << 20) - 1) >> 20; // the room may be < 0
+        const std::string least_limit = m.cgroup_limit
+            ? format("a memory limit of at least %lld MiB loads it", (long long) ((in.limit_bytes >> 20) + short_mib))
+            : format("at least %lld MiB more available memory loads it", (long long) short_mib);
         LLAMA_LOG_ERROR("%s: moe-stream: auto: %.0f MiB available - %.0f MiB dense weights - %.0f MiB prefetch window "
                 "leaves %.0f MiB, under the "
                 "mechanical minimum of %.1f MiB (%lld experts of %.2f MiB: %s) "
-                "plus %d MiB; give the process more memory%s\n", __func__,
+                "plus %d MiB; %s, and each context's host memory comes beside it (the fit line then says how much)%s\n", __func__,
                 m.avail() / mib, in.dense_bytes / mib, (double) window / mib, std::max<int64_t>(sz.room_bytes, 0) / mib,
                 least_bytes / mib, (long long) in.least_entries, in.entry_bytes / mib,
                 st.waves_on ? format("top-k %d and the expert waves' window of %lld", st.n_used, (long long) st.wave_entries).c_str()
                             : format("the most one layer step needs at ubatch %d", n_ubatch).c_str(),
-                LLAMA_MOE_STREAM_FLOOR_MIN_MIB, st.waves_on ? "" : " or a smaller -ub");
+                LLAMA_MOE_STREAM_FLOOR_MIN_MIB, least_limit.c_str(), st.waves_on ? "" : "; or a smaller -ub");
     }
     return sz.status == LLAMA_MOE_STREAM_SIZED;
 }
@@ -529,6 +537,14 @@ int32_t llama_moe_stream_init(llama_model * model, int32_t budget_mib, int32_t f
         // a budget that does not fit beside the contexts is clamped when they are known (the fit, or each
         // context as it is created: clamp_fixed), before any step reads an expert
         st.fixed_bytes = sz.budget_bytes;
+        st.fixed_asked = (int64_t) budget_mib << 20;
+        st.fixed_said  = st.budget_bytes;
+        if (st.avail_bytes > 0 && st.fixed_room(0) < st.budget_bytes) {
+            // over what fits before any context: down to that now, so that what is sized from the budget before
+            // the contexts (the server's prompt cache) sees what can run, as under auto; the clamp beside the
+            // contexts (the fit, or each context as it comes) says so in its WARN, with the user's figure
+            st.resize(std::max(st.fixed_room(0), st.least_bytes()), /*quiet =*/ true);
+        }
     }
     st.warn_cycle(INT64_MAX); // the cliff guard (the BigMoeOnEdge seed): the fact, at load
     return (int32_t) st.layers.size();
@@ -554,6 +570,7 @@ int32_t llama_model_moe_stream_fit(llama_model * model, uint32_t * n_ctx, uint32
     llama_moe_fit_input in;
     in.is_auto     = st.is_auto;
     in.fixed_bytes = st.fixed_bytes;
+    in.fixed_asked = st.fixed_asked;
     in.room_bytes  = st.shared_room();
     // rather than refuse: auto's floor gives way while 64 MiB stay free (as at init), a fixed budget's all of it
     in.floor_slack_bytes = std::max<int64_t>(0, st.floor_bytes - (st.is_auto ? (int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20 : 0));
@@ -566,7 +583,9 @@ int32_t llama_model_moe_stream_fit(llama_model * model, uint32_t * n_ctx, uint32
     in.keep_pct    = LLAMA_MOE_FIT_KEEP_PCT;
     in.n_seq       = std::max(1u, *n_seq);
     in.unified     = unified || in.n_seq == 1;
-    in.n_ctx       = *n_ctx > 0 ? *n_ctx : model->hparams.n_ctx_train * (in.unified ? 1 : in.n_seq);
+    // the context llama_context will create: upstream's padding, so the plan measures what it will hold
+    in.n_ctx       = llama_moe_fit_n_ctx(*n_ctx > 0 ? *n_ctx : model->hparams.n_ctx_train * (in.unified ? 1 : in.n_seq),
+                                         in.n_seq, in.unified);
     in.n_ctx_min   = n_ctx_min;
     in.user_sized  = user_sized;
     in.elastic     = st.elastic;
@@ -580,9 +599,16 @@ int32_t llama_model_moe_stream_fit(llama_model * model, uint32_t * n_ctx, uint32
         return LLAMA_MOE_FIT_NONE;
     }
     if (plan.status == LLAMA_MOE_PLAN_REFUSED) {
-        LLAMA_LOG_ERROR("%s: moe-stream: %s -> %s; %s\n", __func__, head.c_str(), line.c_str(),
-                user_sized ? "give a smaller -c (or fewer -np slots, a smaller -ub) or the process more memory"
-                           : "give the process more memory, or a smaller -ub");
+        // the least memory that runs this context: what the tier's minimum lacks beside it
+        const int64_t least_cost = in.least_bytes / std::max<int64_t>(in.entry_bytes, 1) * in.entry_cost;
+        const int64_t short_mib  = (least_cost - (in.room_bytes + in.floor_slack_bytes - plan.ctx_bytes) + (1 << 20) - 1) >> 20;
+        const bool    limited    = llama_moe_read_mem_avail().cgroup_limit > 0;
+        const std::string more   = limited
+            ? format("a memory limit of at least %lld MiB runs it", (long long) ((st.limit_bytes >> 20) + short_mib))
+            : format("at least %lld MiB more available memory runs it", (long long) short_mib);
+        LLAMA_LOG_ERROR("%s: moe-stream: %s -> %s; %s\n", __func__, head.c_str(), line.c_str(), (user_sized
+                ? format("give a smaller -c (or fewer -np slots, a smaller -ub) or the process more memory (%s)", more.c_str())
+                : format("give the process more memory (%s), or a smaller -ub", more.c_str())).c_str());
         return LLAMA_MOE_FIT_ERR_REFUSED;
     }
     LLAMA_LOG("%s: moe-stream: %s -> %s\n", __func__, head.c_str(), line.c_str());

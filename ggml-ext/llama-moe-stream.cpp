@@ -366,7 +366,7 @@ void llama_moe_stream::step(int32_t li, const ggml_tensor * ids, bool vram_serve
         if (!async) {
             t0 = clock::now();
             if (!reader.wait(err)) {
-                GGML_ABORT("%s", err.c_str());
+                llama_moe_read_failed(err);
             }
             us += std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count();
         }
@@ -379,7 +379,7 @@ void llama_moe_stream::step(int32_t li, const ggml_tensor * ids, bool vram_serve
         t0 = clock::now();
         if (!reader.read(jobs, err)) {
             // note: the expert's bytes are not there, so the layer's output would be wrong: stop here
-            GGML_ABORT("%s", err.c_str());
+            llama_moe_read_failed(err);
         }
         us += std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count();
         if (!ahead.empty()) {
@@ -449,7 +449,7 @@ void llama_moe_stream::settle_prefetch(int32_t li) {
     // and the prefetch
     std::string err;
     if (!reader.wait(err)) {
-        GGML_ABORT("%s", err.c_str());
+        llama_moe_read_failed(err);
     }
     finish_waves(); // the last step's layer is done: what its waves still hold goes
     if (prefetch_li < 0) {

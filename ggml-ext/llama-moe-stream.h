@@ -123,6 +123,8 @@ struct llama_moe_stream : llama_moe_ram_copies {
     int64_t floor_bytes  = 0; // what auto leaves free (a fixed budget is clamped to leave it too)
     int64_t cycle_bytes  = 0; // the cache cycle: every streamed layer's top-k experts (the cliff guard's figure)
     int64_t fixed_bytes  = 0; // a fixed budget as asked (a clamp takes budget_bytes under it, never this)
+    int64_t fixed_asked  = 0; // what --moe-stream-cache-mb gave, bytes (fixed_bytes is at most every streamed expert)
+    int64_t fixed_said   = INT64_MAX; // the fixed budget the last line gave (clamp_fixed's WARN compares with it)
     int64_t fit_ctx_bytes = 0; // the contexts' host memory the fit planned before any was created
     std::map<const void *, int64_t> contexts; // live contexts -> their host memory that counts against the budget:
                                               // KV cache, compute, output; elastic: compute and output only

@@ -315,7 +315,7 @@ int32_t llama_moe_vram_init(llama_model * model, int32_t n_slots, int32_t n_inse
     if (is_auto || budget_mib > 0) {
         n_slots = n_expert; // the most any device can get; each device is sized below
     } else if (n_slots > n_expert) {
-        LLAMA_LOG_INFO("%s: moe-cache: %d slots > %d experts per layer, clamped to %d\n", __func__, n_slots, n_expert, n_expert);
+        LLAMA_LOG_WARN("%s: moe-cache: %d slots > %d experts per layer, clamped to %d\n", __func__, n_slots, n_expert, n_expert);
         n_slots = n_expert;
     }
 

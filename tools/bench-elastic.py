@@ -42,7 +42,9 @@ def setting(text: str) -> tuple[str, Path, int, Path | None]:
 
 
 def append(path: Path, row: dict) -> None:
-    pd.DataFrame([row]).to_csv(path, mode="a", header=not path.exists(), index=False)
+    """Adds ``row`` to the CSV at ``path`` (rewritten whole: rows may carry other columns)."""
+    old = pd.read_csv(path) if path.exists() else pd.DataFrame()
+    pd.concat([old, pd.DataFrame([row])], ignore_index=True).to_csv(path, index=False)
 
 
 def chat(a) -> None:
@@ -97,9 +99,11 @@ def fill(a) -> None:
         row = dict(setting=name, limit_mib=limit, label=label, **{k: v for k, v in info.items() if k != "error"})
         if info.get("status") == "ok":
             ctx, n_slots = int(t.n_ctx.iloc[0]), int(info["n_slots"])
-            total = ctx if info.get("kv_unified") == "true" else ctx * n_slots
+            unified = info.get("kv_unified") == "true"
+            total = ctx if unified else ctx * n_slots
             ref, _, rinfo = elastic.fill_run(model, None, a.out / f"fill-{name}-{limit}-stock.log", tier=(),
-                                             extra=("--no-repack", "-c", str(total), "-np", str(n_slots)),
+                                             extra=("--no-repack", "-c", str(total), "-np", str(n_slots),
+                                                    *(["--kv-unified"] if unified else [])),
                                              n_ctx=ctx, n_gen=a.fill_gen)
             same = elastic.compare_turns(t, ref)
             t["identical"] = same[:len(t)]

@@ -6,6 +6,7 @@ serve`` first waits for the ``--rpc`` devices to accept connections; the upstrea
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -130,7 +131,6 @@ def serve_usage() -> str:
 def _serve_limited(exe: str, argv: list[str], limit_mib: int) -> int:
     """Runs llama-server as a child inside a memory cgroup of ``limit_mib`` MiB (page cache included),
     forwards SIGINT and SIGTERM to it, and removes the cgroup when it exits. Returns its exit status."""
-    import signal
     from ..engine import memlimit
     ok, why = memlimit.limit_available()
     if not ok:
@@ -148,7 +148,7 @@ def _serve_limited(exe: str, argv: list[str], limit_mib: int) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda n, _f: p.send_signal(n))
         rc = p.wait()
-        line = oom_line(rc, lim.oom_kills(), limit_mib, lim.peak_mib())
+        line = oom_line(rc, lim.oom_kills(), limit_mib, lim.peak_mib()) or exit_line(rc)
         if line:
             print(line, file=sys.stderr, flush=True)
     return 128 - rc if rc < 0 else rc
@@ -167,6 +167,26 @@ def oom_line(rc: int, oom_kills: int | None, limit_mib: int, peak_mib: float | N
             f"memory limit{peak}; try --moe-stream-cache-mb auto (it sizes the experts' budget and the context "
             f"together), a smaller -c or -np, a smaller fixed budget, or a larger --memory-limit-mb "
             f"(docs/stream-tier.md, \"Serving under a memory limit\")")
+
+
+#: llama-server's status when an expert's bytes could not be read: the model file changed on disk under it
+#: (``LLAMA_MOE_EXIT_READ``, ggml-ext/llama-moe-source.h; EX_IOERR)
+EXIT_READ = 74
+
+
+def exit_line(rc: int) -> str | None:
+    """The line ``pybmoe serve --memory-limit-mb`` prints when llama-server stopped because a model file
+    changed on disk under it: status 74 (:data:`EXIT_READ`, a short read of the tier) or SIGBUS (``rc``
+    -7 or 135, a mapped page past the file's new end). None for any other status."""
+    if rc == EXIT_READ:
+        how = "status 74: an expert's bytes could not be read"
+    elif rc in (-signal.SIGBUS, 128 + signal.SIGBUS):
+        how = "SIGBUS: a mapped page past the file's end"
+    else:
+        return None
+    return (f"pybmoe serve: error: llama-server stopped: a model file changed on disk under it ({how}; the engine's "
+            "line above names the file and the offset); restore the file and start the server again "
+            "(docs/stream-tier.md, \"A model file that changes under a running server\")")
 
 
 def serve_main(argv: list[str]) -> int:

@@ -109,6 +109,39 @@ def test_the_oom_line_is_for_oom_kills_only():
     assert serve.oom_line(-9, None, 700) is None  # a kernel that does not count them
 
 
+def test_the_exit_line_names_a_model_file_that_changed():
+    for rc in (74, -signal.SIGBUS, 128 + signal.SIGBUS):
+        line = serve.exit_line(rc)
+        assert line.startswith("pybmoe serve: error: llama-server stopped: a model file changed on disk under it"), rc
+    assert "status 74" in serve.exit_line(74) and "SIGBUS" in serve.exit_line(-signal.SIGBUS)
+    for rc in (0, 1, 2, -9, 137, 134):
+        assert serve.exit_line(rc) is None, rc
+
+
+def test_a_model_file_cut_under_the_tier_stops_the_server_in_one_line(tmp_path):
+    """The tier reads the experts with pread, the dense weights are in anonymous memory (``--dense-weights
+    anon``) and the budget is the least (3 MiB), so the next request misses experts past the file's new end: a short
+    read. The server stops with one line naming the file and the offset, status 74, no backtrace."""
+    model = tmp_path / "copy.gguf"
+    shutil.copyfile(models.default_model_path(), model)
+    args = ["-m", str(model), "-t", "2", "--moe-stream-cache-mb", "3", "--dense-weights", "anon"]
+    with engine.LlamaServer(args, log_dir=tmp_path) as srv:
+        load.send(srv.url, load.Request("p", "completion", False, tuple(range(2000, 2010)), 4), timeout_s=120)
+        size = model.stat().st_size
+        os.truncate(model, size // 3)
+        with pytest.raises(load.LoadError):
+            load.send(srv.url, load.Request("q", "completion", False, tuple(range(5000, 5064)), 8), timeout_s=120)
+        rc = srv.proc.wait(timeout=60)
+    text = srv.log.read_text(errors="replace")
+    lines = [ln for ln in text.splitlines() if "llama_moe_read: error:" in ln]
+    assert rc == serve.EXIT_READ == 74 and len(lines) == 1, (rc, text[-3000:])
+    m = re.search(r"short read: (\d+) of (\d+) bytes at offset (\d+) of (\S+) ", lines[0])
+    assert m and m.group(4) == str(model) and int(m.group(1)) < int(m.group(2)), lines[0]
+    assert int(m.group(3)) + int(m.group(1)) >= size // 3
+    assert "status 74" in lines[0]
+    assert "gdb" not in text and "backtrace" not in text.lower() and "GGML_ABORT" not in text
+
+
 def test_a_model_file_that_shrinks_under_the_server_is_named(tmp_path):
     """The weights stay memory-mapped (no tier: stock mmap, every tensor read through the map): after the
     file is cut to a third, the next request reads a page past its end. The server stops with one line that

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -107,8 +108,28 @@ def test_a_floor_larger_than_the_room_shrinks_to_the_minimum_with_a_warn(model, 
     root = mem_root(tmp_path, avail_mib=room_mib, total_mib=1000)
     r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto", "--moe-stream-floor-mb", "500"], "floor")
     line = auto_line(r.log)
-    assert f"-> {facts['min_entries']} experts of" in line and "WARNING the floor of 500 MiB leaves less" in line
+    assert f"-> {facts['min_entries']} experts of" in line
+    # a WARN line of its own, which the server's verbosity shows
+    warns = [ln for ln in r.log.splitlines() if "WARNING the floor of 500 MiB (--moe-stream-floor-mb) leaves less than "
+             "the tier's minimum: auto takes the minimum" in ln]
+    assert len(warns) == 1, r.log[-3000:]
     assert r.logits == base.logits
+
+
+def test_the_tier_s_companion_flags_without_the_tier_are_named(model, tmp_path):
+    r = run(model, tmp_path, None, ["--moe-stream-floor-mb", "100", "--moe-stream-io-threads", "8"], "companions")
+    assert r.log.count("WARNING --moe-stream-floor-mb 100 --moe-stream-io-threads 8 have no effect without the "
+                       "stream tier (--moe-stream-cache-mb N|auto)") == 1, r.log[-3000:]
+    one = run(model, tmp_path, None, ["--moe-stream-ceil-mb", "50"], "companion")
+    assert "WARNING --moe-stream-ceil-mb 50 has no effect without the stream tier" in one.log
+    assert "no effect" not in run(model, tmp_path, None, [], "none").log
+
+
+def test_a_count_flag_names_0_as_refused():
+    for flag, value in (("--moe-stream-io-threads", "-1"), ("--moe-expert-cache-admit", "second-miss:-4")):
+        r = subprocess.run([str(engine.find_binary("llama-server")), flag, value], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode != 0 and "(0 = refused)" in r.stdout + r.stderr, (flag, r.stderr[-500:])
 
 
 def test_a_limit_under_the_minimum_is_refused_in_one_line_with_the_arithmetic(model, facts, tmp_path, mem_root):
@@ -132,7 +153,8 @@ def test_a_fixed_budget_that_does_not_fit_is_clamped_and_stays_exact(model, fact
     r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "12"], "over")
     warns = [ln for ln in r.log.splitlines() if "WARNING --moe-stream-cache-mb 12 MiB does not fit" in ln]
     assert len(warns) == 1 and "MiB floor" in warns[0] and "of contexts' host memory" in warns[0], r.log[-3000:]
-    ctx = float(re.search(r"the context as asked \(128 tokens\) takes ([\d.]+) MiB of host memory", r.log).group(1))
+    # -c 128: upstream pads it to 256 tokens, and the plan is for that context
+    ctx = float(re.search(r"the context as asked \(256 tokens\) takes ([\d.]+) MiB of host memory", r.log).group(1))
     avail = int(room_mib * 1024) * 1024
     # the line gives the context to 0.1 MiB: the entries it takes, from either end of that rounding
     took = {-(-int((ctx + d) * MIB) // cost(facts)) for d in (-0.05, 0.05)}

@@ -125,7 +125,8 @@ def test_a_default_context_shrinks_to_keep_the_cycle_and_stays_exact(model, fact
     r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "shrunk")
     line = fit_line(r.log)
     assert "the default context (16384 tokens)" in line and "-> shrunk to" in line, line
-    assert "-c 16384 restores the full context" in line
+    # the full context does not fit beside the tier's minimum here: the line does not offer it
+    assert "(-c 16384 would be refused)" in line and "restores" not in line, line
     n, mib = created_ctx(r.log)
     assert 4096 <= n < 16384 and n % 256 == 0, line
     assert mib == pytest.approx(ctx_mib(r.log, n), abs=0.051)
@@ -197,3 +198,101 @@ def test_a_fixed_budget_is_clamped_beside_a_default_context_that_keeps_the_cycle
     assert entries * facts["entry"] >= min(want, target * MIB) - 0.051 * MIB and entries * facts["entry"] < 12 * MIB
     base = run(model, tmp_path, None, [], "base", ctx=n)
     assert r.tokens == base.tokens and r.logits == base.logits
+
+
+def test_a_shrunk_line_names_the_full_context_only_where_it_runs(model, facts, sizes, tmp_path, mem_root):
+    """A line may only suggest what would run: where the full context does not fit beside the tier's minimum,
+    the shrunk line says so instead of naming ``-c 16384``; where it names it (half_room), that runs."""
+    avail_mib = (facts["dense"] + FLOOR + facts["cycle"] * (1 + MARGIN)) / MIB + sizes[4096] + 1
+    root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
+    r = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "shrunk-tight")
+    line = fit_line(r.log)
+    assert "-> shrunk to" in line and "restores" not in line, line
+    assert "the full context does not fit beside the tier's minimum here (-c 16384 would be refused)" in line, line
+    with pytest.raises(engine.EngineError, match="under the tier's minimum"):
+        run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "full-refused", ctx=16384)
+    # room for the full context beside the minimum (11 entries) and a little: still shrunk (the least context
+    # leaves more), and the line's flags run
+    least = float(re.search(r"least_mb=([\d.]+)", r.log).group(1))
+    avail2 = (facts["dense"] + FLOOR) / MIB + sizes[16384] + least * facts["cost"] / facts["entry"] + 1.5
+    root2 = mem_root(tmp_path / "roomy", avail_mib=avail2, total_mib=1000)
+    line2 = fit_line(run(model, tmp_path, root2, ["--moe-stream-cache-mb", "auto"], "shrunk-roomy").log)
+    assert "-> shrunk to" in line2 and "-c 16384 restores the full context" in line2, line2
+    ran = run(model, tmp_path, root2, ["--moe-stream-cache-mb", "auto"], "restored", ctx=16384)
+    assert created_ctx(ran.log)[0] == 16384 and "the context as asked (16384 tokens)" in fit_line(ran.log)
+
+
+@pytest.mark.parametrize("asked, np, expect", [(4000, 1, "4096 tokens"), (14080, 4, "4 slots x 3584 tokens")])
+def test_the_plan_is_for_the_context_upstream_creates(model, tmp_path, asked, np, expect):
+    """llama_context pads -c to 256 tokens, and each slot's share to 256 again when the slots do not share
+    the cache: the plan measures that context (-c 14080 -np 4 is 14336 tokens), not the one asked."""
+    # pybmoe-logits' slots do not share one cache (common's default outside the server)
+    extra = ["--moe-stream-cache-mb", "auto"] + (["-np", str(np)] if np > 1 else [])
+    r = run(model, tmp_path, None, extra, f"pad-{asked}", ctx=asked)
+    line = fit_line(r.log)
+    assert f"the context as asked ({expect})" in line, line
+    n, mib = created_ctx(r.log)
+    assert n == (4096 if np == 1 else 14336)
+    if np == 1:  # (slots that do not share one cache measure 1.7 MiB under what they take: docs/stream-tier.md)
+        m = re.search(r"\((?:[^()]*)\) takes ([\d.]+) MiB", line)
+        assert mib == pytest.approx(float(m.group(1)), abs=0.051), (line, mib)
+
+
+def test_a_refusal_names_the_least_memory_that_runs(model, facts, sizes, tmp_path, mem_root):
+    """The refused fit line gives the memory that would run the least context; the oracle: that much more runs,
+    and 2 MiB less than that does not."""
+    avail_mib = int((facts["dense"] + FLOOR) / MIB + sizes[4096] / 2)
+    root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
+    with pytest.raises(engine.EngineError) as e:
+        run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "least-refused")
+    m = re.search(r"give the process more memory \(at least (\d+) MiB more available memory runs it\)", str(e.value))
+    assert m, str(e.value)[-2000:]
+    more = int(m.group(1))
+    ok = run(model, tmp_path, mem_root(tmp_path / "ok", avail_mib=avail_mib + more, total_mib=1000),
+             ["--moe-stream-cache-mb", "auto"], "least-runs")
+    assert created_ctx(ok.log)[0] == 4096
+    with pytest.raises(engine.EngineError, match="under the tier's minimum"):
+        run(model, tmp_path, mem_root(tmp_path / "short", avail_mib=avail_mib + more - 2, total_mib=1000),
+            ["--moe-stream-cache-mb", "auto"], "least-short")
+
+
+def test_memory_under_the_dense_weights_names_the_memory_that_loads(model, facts, tmp_path, mem_root):
+    avail_mib = int(facts["dense"] / MIB / 2)
+    root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
+    with pytest.raises(engine.EngineError) as e:
+        run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "under-dense")
+    lines = [ln for ln in str(e.value).splitlines() if "moe-stream: auto:" in ln and "under the mechanical minimum" in ln]
+    assert len(lines) == 1, str(e.value)[-2000:]
+    m = re.search(r"at least (\d+) MiB more available memory loads it, and each context's host memory comes beside it",
+                  lines[0])
+    assert m, lines[0]
+    # that much more loads the tier; the context comes beside it, and the fit's line names what that takes
+    more = avail_mib + int(m.group(1))
+    with pytest.raises(engine.EngineError) as e2:
+        run(model, tmp_path, mem_root(tmp_path / "more", avail_mib=more, total_mib=1000),
+            ["--moe-stream-cache-mb", "auto"], "loads", ctx=256)
+    assert "under the mechanical minimum" not in str(e2.value), str(e2.value)[-2000:]
+    m2 = re.search(r"-> fit: .* \(at least (\d+) MiB more available memory runs it\)", str(e2.value))
+    assert m2, str(e2.value)[-2000:]
+    r = run(model, tmp_path, mem_root(tmp_path / "runs", avail_mib=more + int(m2.group(1)), total_mib=1000),
+            ["--moe-stream-cache-mb", "auto"], "runs", ctx=256)
+    assert created_ctx(r.log)[0] == 256
+
+
+def test_a_fixed_budget_over_the_memory_keeps_auto_s_budget_and_names_the_users_value(model, facts, sizes, tmp_path,
+                                                                                       mem_root):
+    """A fixed budget of 99999 MiB (far over every streamed expert) where less than every expert fits even
+    before the context: clamped at load already (so what is sized from the budget before the contexts, the
+    server's prompt cache, sees what runs), the WARN names 99999, not the clamped figure, and the budget ends
+    no lower than auto's at the same memory."""
+    avail_mib = (facts["dense"] + FLOOR) / MIB + sizes[4096] + 6
+    assert 6 * MIB < SHAPE["n_layer"] * SHAPE["n_expert"] * facts["entry"]
+    root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
+    auto = run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "auto-budget")
+    fixed = run(model, tmp_path, root, ["--moe-stream-cache-mb", "99999"], "fixed-budget")
+    assert "WARNING --moe-stream-cache-mb 99999 MiB does not fit" in fixed.log, fixed.log[-3000:]
+
+    def budget(log: str) -> float:
+        return float(re.findall(r"budget ([\d.]+) MiB \(yielded", log)[-1])
+    assert budget(fixed.log) >= budget(auto.log) - facts["entry"] / MIB - 0.05, (budget(fixed.log), budget(auto.log))
+    assert fixed.tokens == auto.tokens and fixed.logits == auto.logits
