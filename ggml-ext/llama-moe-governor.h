@@ -4,9 +4,9 @@
 //
 // The rule (docs/stream-tier.md, "Serving under a memory limit"): before each ubatch, and every 100 ms
 // while no graph runs (an idle server: llama-moe-governor-poll.h), the memory free now is read (the
-// cgroup's limit less what it cannot reclaim, and MemAvailable). What the tier may still commit under its budget (entries not resident
-// yet, the prefetch window) is spoken for already; what must stay free is the floor plus the largest
-// ubatch's new KV cells. The slack is what is left:
+// cgroup's limit less what it cannot reclaim, and MemAvailable). What the tier may still commit under
+// its budget (entries not resident yet, the prefetch window) is spoken for already; what must stay free
+// is the floor plus the largest ubatch's new KV cells. The slack is what is left:
 //
 //     slack = free - (budget's full cost - what the tier holds now) - (floor + KV cells of one ubatch)
 //

@@ -128,7 +128,8 @@ struct llama_moe_read {
 };
 
 // The status a process stops with when an expert's bytes cannot be read (a model file truncated or
-// changed on disk under it): EX_IOERR of sysexits.h. docs/stream-tier.md, "When the model file changes".
+// changed on disk under it): EX_IOERR of sysexits.h (docs/stream-tier.md, "A model file that changes under a
+// running server").
 #define LLAMA_MOE_EXIT_READ 74
 
 // Stops the process: `err` (naming the file and the offset) in one line on stderr, then exit status

@@ -201,7 +201,9 @@ SLOW: dict[str, str | set[str]] = {
         "test_the_server_fits_a_default_context_under_a_real_limit_and_answers",  # 6 s
         "test_an_oom_kill_of_the_server_is_named_in_one_line",  # 3 s
         "test_a_model_file_that_shrinks_under_the_server_is_named",  # 3 s
+        "test_a_model_file_cut_under_the_tier_stops_the_server_in_one_line",  # 4 s
     },
+    "tests/engine/test_stream_elastic_cgroup.py": "*",  # a 8192-token fill in a cgroup twice (25 s), a server with a second process (40 s)
     "tests/bench/test_bench_server.py": "*",  # one module fixture runs the benchmark with its server: 30 s
     "tests/engine/test_vulkan.py": "*",  # 4-12 s a test where a Vulkan build exists (CI builds one)
     "tests/models/test_arch_deepseek2.py": {

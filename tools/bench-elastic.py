@@ -122,9 +122,17 @@ def fill(a) -> None:
         df = pd.concat(turns, ignore_index=True)
         df.to_csv(a.out / "fill-turns.csv", index=False)
         pd.concat(samples, ignore_index=True).to_csv(a.out / "fill-samples.csv", index=False)
-        elastic.plot_fill(df[~df.label.str.endswith("no limit")], a.out / "fill.png",
-                          "llama-server at its defaults under a memory limit: the budget and decode as one "
-                          "conversation fills the context")
+        stock = df.label.str.endswith("no limit")
+        elastic.plot_fill(df[~stock], a.out / "fill.png", "llama-server at its defaults under a memory limit: the "
+                          "budget and decode as one conversation fills the context", ref=df[stock])
+
+
+def replot(out: Path) -> None:
+    """fill.png again from OUT/fill-turns.csv."""
+    df = pd.read_csv(out / "fill-turns.csv")
+    stock = df.label.str.endswith("no limit")
+    elastic.plot_fill(df[~stock], out / "fill.png", "llama-server at its defaults under a memory limit: the budget and "
+                      "decode as one conversation fills the context", ref=df[stock])
 
 
 def main() -> None:
@@ -133,7 +141,7 @@ def main() -> None:
     for verb in ("chat", "fill"):
         p = sub.add_parser(verb)
         p.add_argument("--out", type=Path, required=True)
-        p.add_argument("settings", nargs="+", type=setting, metavar="NAME=MODEL.gguf@LIMIT_MIB[:TRACE]")
+        p.add_argument("settings", nargs="*", type=setting, metavar="NAME=MODEL.gguf@LIMIT_MIB[:TRACE]")
     c = sub.choices["chat"]
     c.add_argument("--repeats", type=int, default=2)
     c.add_argument("--n-prompt", type=int, default=256)
@@ -141,9 +149,15 @@ def main() -> None:
     c.add_argument("--variant", action="append", default=[], help="the server point again with these flags")
     c.add_argument("--no-bench", action="store_true")
     sub.choices["fill"].add_argument("--fill-gen", type=int, default=32)
+    sub.choices["fill"].add_argument("--replot", action="store_true", help="only redraw OUT/fill.png from its CSV")
     a = ap.parse_args()
+    if not a.settings and not (a.verb == "fill" and a.replot):
+        ap.error("give at least one setting NAME=MODEL.gguf@LIMIT_MIB[:TRACE]")
     a.out.mkdir(parents=True, exist_ok=True)
-    chat(a) if a.verb == "chat" else fill(a)
+    if a.verb == "fill" and a.replot:
+        replot(a.out)
+    else:
+        chat(a) if a.verb == "chat" else fill(a)
 
 
 if __name__ == "__main__":

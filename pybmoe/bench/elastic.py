@@ -264,29 +264,38 @@ def compare_turns(turns: pd.DataFrame, ref: pd.DataFrame) -> list[bool]:
 
 
 def medians(runs: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
-    """Median decode tok/s (and the least budget, the context) per ``keys`` over the repeats, with
-    :func:`pybmoe.bench.noise.flag_spread`'s flag."""
+    """Median decode tok/s per ``keys`` over the repeats that ran (``status`` ok), with
+    :func:`pybmoe.bench.noise.flag_spread`'s ``spread`` (largest over smallest), ``max_load_1m`` and
+    ``noisy``."""
     ok = runs[runs.status == "ok"]
     g = ok.groupby(list(keys), dropna=False)
     out = g.agg(median_ts=("decode_ts", "median"), min_ts=("decode_ts", "min"), max_ts=("decode_ts", "max"),
                 repeats=("decode_ts", "size")).reset_index()
-    out["spread"] = (out.max_ts - out.min_ts) / out.median_ts
-    out["noisy"] = out.spread > noise.SPREAD_LIMIT
-    return out
+    return noise.flag_spread(out, ok, keys)
 
 
-def plot_fill(turns: pd.DataFrame, path: Path, title: str) -> Path:
-    """Budget (MiB) and decode tok/s against the context's fill, one line per ``label``."""
+def plot_fill(turns: pd.DataFrame, path: Path, title: str, ref: pd.DataFrame | None = None) -> Path:
+    """Budget and committed KV (MiB) and decode tok/s against the context's fill, one colour per ``label``
+    (its cache cycle dashed); ``ref``: the stock runs' decode (``label`` ending in its setting's label),
+    dotted in the same colour."""
     from .plot import _pyplot
     plt = _pyplot()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, d in turns.groupby("label"):
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, d) in enumerate(turns.groupby("label")):
+        c = colors[i % len(colors)]
         d = d.sort_values("fill")
-        a1.plot(100 * d.fill, d.budget_mib, marker="o", label=f"{label}: budget")
-        a1.plot(100 * d.fill, d.kv_committed_mib, marker="x", linestyle=":", label=f"{label}: KV committed")
-        a2.plot(100 * d.fill, d.decode_ts, marker="o", label=label)
-    for cyc in turns.cycle_mb.dropna().unique()[:1]:
-        a1.axhline(cyc, color="grey", linestyle="--", linewidth=0.8, label=f"cache cycle {cyc:.0f} MiB")
+        a1.plot(100 * d.fill, d.budget_mib, marker="o", color=c, label=f"{label}: budget")
+        a1.plot(100 * d.fill, d.kv_committed_mib, marker="x", linestyle=":", color=c, label=f"{label}: KV committed")
+        if d.cycle_mb.notna().any():
+            a1.axhline(d.cycle_mb.dropna().iloc[0], color=c, linestyle="--", linewidth=0.7)
+        a2.plot(100 * d.fill, d.decode_ts, marker="o", color=c, label=f"{label}: the tier")
+        if ref is not None:
+            r = ref[ref.label.str.startswith(label)].sort_values("fill")
+            if len(r):
+                a2.plot(100 * r.fill, r.decode_ts, marker=".", linestyle=":", color=c,
+                        label=f"{label.split(' @')[0]}: stock, no limit")
+    a1.plot([], [], color="grey", linestyle="--", linewidth=0.7, label="each model's cache cycle")
     a1.set_xlabel("context filled, %")
     a1.set_ylabel("MiB")
     a2.set_xlabel("context filled, %")

@@ -148,10 +148,3 @@ def test_a_second_process_in_the_cgroup_makes_the_budget_yield_not_the_server_di
         ref = load.send(ref_srv.url, req, timeout_s=600)
     assert got.ids == ref.ids and got.text == ref.text
 
-
-def test_the_fill_runs_turns_reach_the_fraction_asked():
-    assert elastic.turn_lengths(4096, (0.05, 0.5, 0.92), 32) == [172, 2016, 3736]
-    with pytest.raises(ValueError, match="growing"):
-        elastic.turn_lengths(4096, (0.5, 0.25), 32)
-    with pytest.raises(ValueError, match="first turn"):
-        elastic.turn_lengths(100, (0.1, 0.5), 32)
