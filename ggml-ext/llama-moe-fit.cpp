@@ -229,7 +229,9 @@ std::string llama_moe_fit_describe(const llama_moe_fit_input & in, const llama_m
     const std::string asked = llama_moe_fit_fmt("%s (%s)", in.user_sized ? "the context as asked" : "the default context",
             llama_moe_fit_ctx(in.n_ctx, in.n_seq, in.unified).c_str());
     const std::string got   = llama_moe_fit_ctx(p.n_ctx, p.n_seq, in.unified);
-    const std::string flags = llama_moe_fit_fmt("-c %u%s", in.n_ctx, in.n_seq > 1 ? llama_moe_fit_fmt(" -np %u", in.n_seq).c_str() : "");
+    // -np only where the slots hold their own tokens: with a shared cache the slots cost nothing, and an
+    // explicit -np turns the server's sharing off (a line names only flags that run as planned)
+    const std::string flags = llama_moe_fit_fmt("-c %u%s", in.n_ctx, !in.unified ? llama_moe_fit_fmt(" -np %u", in.n_seq).c_str() : "");
     const int64_t cycle_target = std::max(in.cycle_bytes + in.cycle_bytes * in.margin_pct / 100, in.least_bytes);
     const std::string target = p.least_budget > 0 && p.target_bytes > cycle_target ?
             llama_moe_fit_fmt("%.1f MiB, %d %% of the %.1f MiB the least context leaves (above the cache cycle of "
@@ -293,7 +295,7 @@ std::string llama_moe_fit_describe(const llama_moe_fit_input & in, const llama_m
             break;
     }
     if (p.suggest_ctx > 0) {
-        s += llama_moe_fit_fmt("; -c %u%s %s", p.suggest_ctx, p.n_seq > 1 ? llama_moe_fit_fmt(" -np %u", p.n_seq).c_str() : "",
+        s += llama_moe_fit_fmt("; -c %u%s %s", p.suggest_ctx, !in.unified ? llama_moe_fit_fmt(" -np %u", p.n_seq).c_str() : "",
                 p.suggest_keeps ? "keeps the cycle" : "fits, under the cycle");
     }
     if (p.clamped) {

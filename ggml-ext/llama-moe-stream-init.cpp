@@ -156,6 +156,14 @@ static int64_t llama_moe_page_bytes() {
 }
 
 // the sizing's lines: auto's arithmetic, or why the budget is refused. false: refused (a load error)
+// the memory to add, MiB, for `lack` bytes more room: what grows with the memory is counted (auto's prefetch
+// window, an eighth of the room; the server's prompt cache, a sixteenth of the budget; the floor, a
+// sixteenth of a limit over 1 GiB), so a third more, and 2 MiB for the process's own use, which moves
+// from run to run. The lines that refuse name it as the memory that runs
+static int64_t llama_moe_stream_more_mib(int64_t lack) {
+    return (lack * 4 / 3 + (1 << 20) - 1) / (1 << 20) + 2;
+}
+
 static bool llama_moe_stream_log_sizing(const llama_moe_stream_sizing_input & in, const llama_moe_stream_sizing & sz,
                                         const llama_moe_stream & st, const llama_moe_mem_avail & m, int32_t ceil_mib,
                                         int32_t n_ubatch) {
@@ -205,7 +213,7 @@ static bool llama_moe_stream_log_sizing(const llama_moe_stream_sizing_input & in
     if (sz.status == LLAMA_MOE_STREAM_UNDER_MINIMUM) {
         // the least memory that loads the tier: what is missing on top of the limit (the contexts come beside it)
         const int64_t need  = in.least_entries * in.entry_cost + ((int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20);
-        const int64_t short_mib = (need - sz.room_bytes + (1 << 20) - 1) >> 20; // the room may be < 0
+        const int64_t short_mib = llama_moe_stream_more_mib(need - sz.room_bytes); // the room may be < 0
         const std::string least_limit = m.cgroup_limit
             ? format("a memory limit of at least %lld MiB loads it", (long long) ((in.limit_bytes >> 20) + short_mib))
             : format("at least %lld MiB more available memory loads it", (long long) short_mib);
@@ -601,7 +609,7 @@ int32_t llama_model_moe_stream_fit(llama_model * model, uint32_t * n_ctx, uint32
     if (plan.status == LLAMA_MOE_PLAN_REFUSED) {
         // the least memory that runs this context: what the tier's minimum lacks beside it
         const int64_t least_cost = in.least_bytes / std::max<int64_t>(in.entry_bytes, 1) * in.entry_cost;
-        const int64_t short_mib  = (least_cost - (in.room_bytes + in.floor_slack_bytes - plan.ctx_bytes) + (1 << 20) - 1) >> 20;
+        const int64_t short_mib  = llama_moe_stream_more_mib(least_cost - (in.room_bytes + in.floor_slack_bytes - plan.ctx_bytes));
         const bool    limited    = llama_moe_read_mem_avail().cgroup_limit > 0;
         const std::string more   = limited
             ? format("a memory limit of at least %lld MiB runs it", (long long) ((st.limit_bytes >> 20) + short_mib))

@@ -239,8 +239,9 @@ def test_the_plan_is_for_the_context_upstream_creates(model, tmp_path, asked, np
 
 
 def test_a_refusal_names_the_least_memory_that_runs(model, facts, sizes, tmp_path, mem_root):
-    """The refused fit line gives the memory that would run the least context; the oracle: that much more runs,
-    and 2 MiB less than that does not."""
+    """The refused fit line gives the memory that runs the least context (what is missing, a third more for
+    what grows with the memory, and 2 MiB); the oracle: that much more runs, and what is missing is more than
+    a third of it."""
     avail_mib = int((facts["dense"] + FLOOR) / MIB + sizes[4096] / 2)
     root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
     with pytest.raises(engine.EngineError) as e:
@@ -250,9 +251,9 @@ def test_a_refusal_names_the_least_memory_that_runs(model, facts, sizes, tmp_pat
     more = int(m.group(1))
     ok = run(model, tmp_path, mem_root(tmp_path / "ok", avail_mib=avail_mib + more, total_mib=1000),
              ["--moe-stream-cache-mb", "auto"], "least-runs")
-    assert created_ctx(ok.log)[0] == 4096
+    assert created_ctx(ok.log)[0] >= 4096  # the least context, or more where the figure's margin leaves room
     with pytest.raises(engine.EngineError, match="under the tier's minimum"):
-        run(model, tmp_path, mem_root(tmp_path / "short", avail_mib=avail_mib + more - 2, total_mib=1000),
+        run(model, tmp_path, mem_root(tmp_path / "short", avail_mib=avail_mib + (more - 2) * 3 // 4 - 1, total_mib=1000),
             ["--moe-stream-cache-mb", "auto"], "least-short")
 
 
@@ -266,16 +267,18 @@ def test_memory_under_the_dense_weights_names_the_memory_that_loads(model, facts
     m = re.search(r"at least (\d+) MiB more available memory loads it, and each context's host memory comes beside it",
                   lines[0])
     assert m, lines[0]
-    # that much more loads the tier; the context comes beside it, and the fit's line names what that takes
+    # that much more loads the tier; the context comes beside it, and where it does not fit there, the fit's
+    # line names what it takes, which then runs
     more = avail_mib + int(m.group(1))
-    with pytest.raises(engine.EngineError) as e2:
-        run(model, tmp_path, mem_root(tmp_path / "more", avail_mib=more, total_mib=1000),
-            ["--moe-stream-cache-mb", "auto"], "loads", ctx=256)
-    assert "under the mechanical minimum" not in str(e2.value), str(e2.value)[-2000:]
-    m2 = re.search(r"-> fit: .* \(at least (\d+) MiB more available memory runs it\)", str(e2.value))
-    assert m2, str(e2.value)[-2000:]
-    r = run(model, tmp_path, mem_root(tmp_path / "runs", avail_mib=more + int(m2.group(1)), total_mib=1000),
-            ["--moe-stream-cache-mb", "auto"], "runs", ctx=256)
+    try:
+        r = run(model, tmp_path, mem_root(tmp_path / "more", avail_mib=more, total_mib=1000),
+                ["--moe-stream-cache-mb", "auto"], "loads", ctx=256)
+    except engine.EngineError as e2:
+        assert "under the mechanical minimum" not in str(e2.value), str(e2.value)[-2000:]
+        m2 = re.search(r"-> fit: .* \(at least (\d+) MiB more available memory runs it\)", str(e2.value))
+        assert m2, str(e2.value)[-2000:]
+        r = run(model, tmp_path, mem_root(tmp_path / "runs", avail_mib=more + int(m2.group(1)), total_mib=1000),
+                ["--moe-stream-cache-mb", "auto"], "runs", ctx=256)
     assert created_ctx(r.log)[0] == 256
 
 
