@@ -155,7 +155,6 @@ static int64_t llama_moe_page_bytes() {
 #endif
 }
 
-// the sizing's lines: auto's arithmetic, or why the budget is refused. false: refused (a load error)
 // the memory to add, MiB, for `lack` bytes more room: what grows with the memory is counted (auto's prefetch
 // window, an eighth of the room; the server's prompt cache, a sixteenth of the budget; the floor, a
 // sixteenth of a limit over 1 GiB), so a third more, and 2 MiB for the process's own use, which moves
@@ -164,6 +163,7 @@ static int64_t llama_moe_stream_more_mib(int64_t lack) {
     return (lack * 4 / 3 + (1 << 20) - 1) / (1 << 20) + 2;
 }
 
+// the sizing's lines: auto's arithmetic, or why the budget is refused. false: refused (a load error)
 static bool llama_moe_stream_log_sizing(const llama_moe_stream_sizing_input & in, const llama_moe_stream_sizing & sz,
                                         const llama_moe_stream & st, const llama_moe_mem_avail & m, int32_t ceil_mib,
                                         int32_t n_ubatch) {
@@ -215,8 +215,8 @@ static bool llama_moe_stream_log_sizing(const llama_moe_stream_sizing_input & in
         const int64_t need  = in.least_entries * in.entry_cost + ((int64_t) LLAMA_MOE_STREAM_FLOOR_MIN_MIB << 20);
         const int64_t short_mib = llama_moe_stream_more_mib(need - sz.room_bytes); // the room may be < 0
         const std::string least_limit = m.cgroup_limit
-            ? format("a memory limit of at least %lld MiB loads it", (long long) ((in.limit_bytes >> 20) + short_mib))
-            : format("at least %lld MiB more available memory loads it", (long long) short_mib);
+            ? format("a memory limit of %lld MiB loads it", (long long) ((in.limit_bytes >> 20) + short_mib))
+            : format("%lld MiB more available memory loads it", (long long) short_mib);
         LLAMA_LOG_ERROR("%s: moe-stream: auto: %.0f MiB available - %.0f MiB dense weights - %.0f MiB prefetch window "
                 "leaves %.0f MiB, under the "
                 "mechanical minimum of %.1f MiB (%lld experts of %.2f MiB: %s) "
@@ -612,8 +612,8 @@ int32_t llama_model_moe_stream_fit(llama_model * model, uint32_t * n_ctx, uint32
         const int64_t short_mib  = llama_moe_stream_more_mib(least_cost - (in.room_bytes + in.floor_slack_bytes - plan.ctx_bytes));
         const bool    limited    = llama_moe_read_mem_avail().cgroup_limit > 0;
         const std::string more   = limited
-            ? format("a memory limit of at least %lld MiB runs it", (long long) ((st.limit_bytes >> 20) + short_mib))
-            : format("at least %lld MiB more available memory runs it", (long long) short_mib);
+            ? format("a memory limit of %lld MiB runs it", (long long) ((st.limit_bytes >> 20) + short_mib))
+            : format("%lld MiB more available memory runs it", (long long) short_mib);
         LLAMA_LOG_ERROR("%s: moe-stream: %s -> %s; %s\n", __func__, head.c_str(), line.c_str(), (user_sized
                 ? format("give a smaller -c (or fewer -np slots, a smaller -ub) or the process more memory (%s)", more.c_str())
                 : format("give the process more memory (%s), or a smaller -ub", more.c_str())).c_str());

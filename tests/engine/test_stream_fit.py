@@ -246,7 +246,7 @@ def test_a_refusal_names_the_least_memory_that_runs(model, facts, sizes, tmp_pat
     root = mem_root(tmp_path, avail_mib=avail_mib, total_mib=1000)
     with pytest.raises(engine.EngineError) as e:
         run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "least-refused")
-    m = re.search(r"give the process more memory \(at least (\d+) MiB more available memory runs it\)", str(e.value))
+    m = re.search(r"give the process more memory \((\d+) MiB more available memory runs it\)", str(e.value))
     assert m, str(e.value)[-2000:]
     more = int(m.group(1))
     ok = run(model, tmp_path, mem_root(tmp_path / "ok", avail_mib=avail_mib + more, total_mib=1000),
@@ -264,7 +264,7 @@ def test_memory_under_the_dense_weights_names_the_memory_that_loads(model, facts
         run(model, tmp_path, root, ["--moe-stream-cache-mb", "auto"], "under-dense")
     lines = [ln for ln in str(e.value).splitlines() if "moe-stream: auto:" in ln and "under the mechanical minimum" in ln]
     assert len(lines) == 1, str(e.value)[-2000:]
-    m = re.search(r"at least (\d+) MiB more available memory loads it, and each context's host memory comes beside it",
+    m = re.search(r"; (\d+) MiB more available memory loads it, and each context's host memory comes beside it",
                   lines[0])
     assert m, lines[0]
     # that much more loads the tier; the context comes beside it, and where it does not fit there, the fit's
@@ -275,7 +275,7 @@ def test_memory_under_the_dense_weights_names_the_memory_that_loads(model, facts
                 ["--moe-stream-cache-mb", "auto"], "loads", ctx=256)
     except engine.EngineError as e2:
         assert "under the mechanical minimum" not in str(e2.value), str(e2.value)[-2000:]
-        m2 = re.search(r"-> fit: .* \(at least (\d+) MiB more available memory runs it\)", str(e2.value))
+        m2 = re.search(r"-> fit: .* \((\d+) MiB more available memory runs it\)", str(e2.value))
         assert m2, str(e2.value)[-2000:]
         r = run(model, tmp_path, mem_root(tmp_path / "runs", avail_mib=more + int(m2.group(1)), total_mib=1000),
                 ["--moe-stream-cache-mb", "auto"], "runs", ctx=256)
