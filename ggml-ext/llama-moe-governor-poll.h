@@ -25,8 +25,6 @@ struct llama_moe_governor_poll {
     // stops and joins the thread; no turn runs after it returns
     void stop();
 
-    bool running() const { return thread.joinable(); }
-
     llama_moe_governor_poll() = default;
     llama_moe_governor_poll(const llama_moe_governor_poll &) = delete;
     llama_moe_governor_poll & operator=(const llama_moe_governor_poll &) = delete;
