@@ -17,28 +17,22 @@ Three measurements, each under a cgroup limit from a cold page cache:
   The same conversation on stock ``llama-server`` (no tier, no limit, ``--no-repack``) gives the
   reference: every turn's tokens must be identical (:func:`compare_turns`).
 
-Errors: :class:`ValueError` for bad arguments; :class:`ServerExited` when a server exits before it is
-healthy (its status ``refused`` or ``oom`` and its log's last lines).
+Errors: :class:`ValueError` for bad arguments. A server that exits before it is healthy
+(:class:`pybmoe.bench.server.ServerExited`) is a row or a setting with its ``status``, ``refused`` or ``oom``.
 """
 from __future__ import annotations
 
 import json
 import math
 import random
-import signal
-import subprocess
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
-import numpy as np
 import pandas as pd
 
-from .. import engine
 from ..engine import memlimit
 from . import noise, server, stream
 
@@ -48,68 +42,6 @@ FRACTIONS = (0.05, 0.25, 0.5, 0.75, 0.92)
 _METRICS = {"budget_mib": "moe_stream_budget_bytes", "resident_mib": "moe_stream_resident_bytes",
             "kv_committed_mib": "moe_stream_kv_committed_bytes", "kv_capacity_mib": "moe_stream_kv_capacity_bytes",
             "free_mib": "moe_stream_free_bytes"}
-
-
-class ServerExited(RuntimeError):
-    """The server exited before it was healthy: ``status`` is ``oom`` (the cgroup's OOM killer) or
-    ``refused``; ``log_tail`` its log's last lines."""
-
-    def __init__(self, status: str, log_tail: str):
-        super().__init__(f"llama-server {status}: {log_tail}")
-        self.status, self.log_tail = status, log_tail
-
-
-@dataclass
-class Running:
-    url: str
-    proc: subprocess.Popen
-    log_path: Path
-    startup_s: float
-
-
-@contextmanager
-def running_server(model: Path, *, limit: memlimit.MemoryLimit | None, log_path: Path, extra: Sequence[str] = (),
-                   tier: Sequence[str] = server.DEFAULTS, route_replay: Path | None = None, threads: int = 2,
-                   cold: bool = True, startup_timeout_s: float = 900) -> Iterator[Running]:
-    """``llama-server`` (:func:`pybmoe.bench.server.server_command`) started under ``limit``, healthy;
-    stopped with SIGINT on exit (its summary line is in the log). Raises :class:`ServerExited`."""
-    if cold:
-        memlimit.drop_caches()
-    if limit is not None:
-        limit.reset_peak()
-    kills0 = (limit.oom_kills() or 0) if limit is not None else 0
-    port = engine.free_port()
-    cmd = server.server_command(model, port, threads=threads, route_replay=route_replay, extra=extra, tier=tier)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with open(log_path, "wb") as f:
-        proc = subprocess.Popen(limit.wrap(cmd) if limit is not None else cmd, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                kills = ((limit.oom_kills() or 0) - kills0) if limit is not None else 0
-                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-                raise ServerExited("oom" if kills else "refused", tail)
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() - t0 > startup_timeout_s:
-                raise engine.EngineError(f"llama-server not healthy after {startup_timeout_s:.0f} s: {log_path}")
-            time.sleep(0.2)
-        yield Running(url, proc, log_path, time.monotonic() - t0)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 class Sampler:
@@ -180,7 +112,7 @@ def chat_point(model: Path, limit_mib: int, log_path: Path, *, n_prompt: int = 2
     with memlimit.MemoryLimit(limit_mib) as lim:
         kills0 = lim.oom_kills() or 0
         try:
-            with running_server(model, limit=lim, log_path=log_path, extra=extra, route_replay=route_replay) as srv:
+            with server.running_server(model, limit=lim, log_path=log_path, extra=extra, route_replay=route_replay) as srv:
                 row["load_1m"] = noise.load_average()
                 with Sampler(srv.url, period_s) as s:
                     a = complete(srv.url, new_tokens(n_prompt, random.Random(seed)), n_gen)
@@ -190,7 +122,7 @@ def chat_point(model: Path, limit_mib: int, log_path: Path, *, n_prompt: int = 2
                            budget_last_mib=samples.budget_mib.iloc[-1], yields=samples.yields.iloc[-1],
                            grows=samples.grows.iloc[-1], kv_committed_mib=samples.kv_committed_mib.iloc[-1],
                            kv_capacity_mib=samples.kv_capacity_mib.iloc[-1])
-        except ServerExited as e:
+        except server.ServerExited as e:
             row.update(status=e.status, error=e.log_tail.splitlines()[-1] if e.log_tail else "")
         row.update(_context(log_path), oom_kills=(lim.oom_kills() or 0) - kills0, peak_mib=lim.peak_mib())
     return row
@@ -230,7 +162,7 @@ def fill_run(model: Path, limit_mib: int | None, log_path: Path, *, fractions: S
     rows, info = [], {}
     try:
         kills0 = (lim.oom_kills() or 0) if lim is not None else 0
-        with running_server(model, limit=lim, log_path=log_path, extra=extra, tier=tier) as srv:
+        with server.running_server(model, limit=lim, log_path=log_path, extra=extra, tier=tier) as srv:
             info = _context(log_path)
             ctx = int(n_ctx or info["n_ctx_slot"])
             rng = random.Random(seed)
@@ -248,7 +180,7 @@ def fill_run(model: Path, limit_mib: int | None, log_path: Path, *, fractions: S
                                      ids=" ".join(map(str, a["ids"])), **after))
             samples = pd.DataFrame(s.rows)
         info.update(status="ok")
-    except ServerExited as e:
+    except server.ServerExited as e:
         samples = pd.DataFrame()
         info.update(status=e.status, error=e.log_tail)
     finally:

@@ -43,8 +43,10 @@ import subprocess
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -123,6 +125,71 @@ def server_command(model: Path, port: int, *, threads: int, route_replay: Path |
     return cmd + list(extra)
 
 
+class ServerExited(RuntimeError):
+    """The server exited before it was healthy: ``status`` is ``oom`` (the cgroup's OOM killer) or
+    ``refused``; ``log_tail`` its log's last lines, ``exit_code`` its status, ``oom_kills`` the cgroup's
+    count since the start."""
+
+    def __init__(self, status: str, log_tail: str, exit_code: int | None = None, oom_kills: int = 0):
+        super().__init__(f"llama-server {status}: {log_tail}")
+        self.status, self.log_tail, self.exit_code, self.oom_kills = status, log_tail, exit_code, oom_kills
+
+
+@dataclass
+class Running:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    startup_s: float
+
+
+@contextmanager
+def running_server(model: Path, *, limit: memlimit.MemoryLimit | None, log_path: Path, extra: Sequence[str] = (),
+                   tier: Sequence[str] = DEFAULTS, route_replay: Path | None = None, threads: int = 2,
+                   cold: bool = True, startup_timeout_s: float = 900) -> Iterator[Running]:
+    """``llama-server`` (:func:`server_command`) started under ``limit`` (from a cold page cache with
+    ``cold``), healthy; stopped with SIGINT on exit (its summary line is in the log). Raises
+    :class:`ServerExited` when it exits first, :class:`pybmoe.engine.EngineError` when it is not healthy
+    after ``startup_timeout_s``."""
+    if cold:
+        memlimit.drop_caches()
+    if limit is not None:
+        limit.reset_peak()
+    kills0 = (limit.oom_kills() or 0) if limit is not None else 0
+    port = engine.free_port()
+    cmd = server_command(model, port, threads=threads, route_replay=route_replay, extra=extra, tier=tier)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log_path, "wb") as f:
+        proc = subprocess.Popen(limit.wrap(cmd) if limit is not None else cmd, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                kills = ((limit.oom_kills() or 0) - kills0) if limit is not None else 0
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+                raise ServerExited("oom" if kills else "refused", tail, proc.returncode, kills)
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() - t0 > startup_timeout_s:
+                raise engine.EngineError(f"llama-server not healthy after {startup_timeout_s:.0f} s: {log_path}")
+            time.sleep(0.2)
+        yield Running(url, proc, log_path, time.monotonic() - t0)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def run_server_point(model: str | os.PathLike, *, limit: memlimit.MemoryLimit | None, cold: bool, log_path: Path,
                      n_prompt: int = 64, n_gen: int = 32, n_requests: int = 4, clients: Sequence[int] = (1, 4),
                      threads: int = 2, route_replay: str | os.PathLike | None = None, extra: Sequence[str] = (),
@@ -139,94 +206,72 @@ def run_server_point(model: str | os.PathLike, *, limit: memlimit.MemoryLimit | 
             raise ValueError(f"{name} {v}; accepted: >= 1")
     model = Path(model)
     rp = Path(route_replay) if route_replay is not None else None
-    if cold:
-        memlimit.drop_caches()
-    if limit is not None:
-        limit.reset_peak()
-    kills0 = limit.oom_kills() if limit is not None else None
-    port = engine.free_port()
-    cmd = server_command(model, port, threads=threads, route_replay=rp, extra=extra, tier=tier)
-    url = f"http://127.0.0.1:{port}"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     base = dict(point="server", limit_mib=limit.limit_mib if limit is not None else None)
-    t0 = time.monotonic()
-    with open(log_path, "wb") as f:
-        proc = subprocess.Popen(limit.wrap(cmd) if limit is not None else cmd, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+    kills0 = limit.oom_kills() if limit is not None else None
     rows: list[dict] = []
     try:
-        while True:
-            if proc.poll() is not None:
-                kills = (limit.oom_kills() or 0) - (kills0 or 0) if limit is not None else 0
-                info = parse_log(log_path.read_text(errors="replace"))
-                return [dict(base, **info, status="oom" if kills else "refused", exit_code=proc.returncode,
-                             oom_kills=kills, startup_s=math.nan)]
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() - t0 > startup_timeout_s:
-                raise engine.EngineError(f"llama-server not healthy after {startup_timeout_s:.0f} s: {log_path}")
-            time.sleep(0.2)
-        startup_s = time.monotonic() - t0
-        reqs = [load.Request(f"p{i}", "completion", True, p, n_gen) for i, p in enumerate(prompts(n_requests, n_prompt))]
-        ref: list[load.Answer] = []
-        for n_clients in clients:
-            before = metrics(url)
-            load_1m = noise.load_average()
-            t1 = time.monotonic()
-            if n_clients == 1:
-                answers = [load.send(url, r, timeout_s=request_timeout_s) for r in reqs]
-                ref = answers
-            else:
-                answers = [None] * len(reqs)
-                errors: list[str] = []
-
-                def client(k: int) -> None:
-                    for i in range(k, len(reqs), n_clients):
-                        try:
-                            answers[i] = load.send(url, reqs[i], timeout_s=request_timeout_s)
-                        except load.LoadError as e:
-                            errors.append(str(e))
-                threads_ = [threading.Thread(target=client, args=(k,)) for k in range(n_clients)]
-                for t in threads_:
-                    t.start()
-                for t in threads_:
-                    t.join()
-                if errors:
-                    raise load.LoadError("; ".join(errors))
-            wall = time.monotonic() - t1
-            after = metrics(url)
-            # route replay steps one trace for every request the server runs, so the same prompt gets other
-            # experts when the requests interleave: its answers are not comparable, only its timings are
-            comparable = n_clients > 1 and rp is None
-            verdicts = [load.compare(a, b)[0] for a, b in zip(ref, answers)] if comparable else []
-            n_tok = sum(a.predicted_n for a in answers)
-            budget = after.get("llamacpp:moe_stream_budget_bytes", math.nan) / 2**20
-            rows.append(dict(base, clients=n_clients, status="ok", startup_s=startup_s, wall_s=wall, load_1m=load_1m,
-                             serving_budget_mb=budget,
-                             n_requests=len(reqs), n_prompt=n_prompt, n_gen=n_gen, tokens=n_tok,
-                             decode_ts=float(np.median([a.decode_ts for a in answers])) if n_clients == 1
-                             else n_tok / max(a.predicted_n / a.decode_ts for a in answers),
-                             wall_ts=n_tok / wall,
-                             ttft_s=float(np.median([a.first_s for a in answers])),
-                             hit_pct=_hit_pct(before, after),
-                             identical=sum(v == "identical" for v in verdicts) if comparable else math.nan,
-                             near_tie=sum(v == "near_tie" for v in verdicts) if comparable else math.nan,
-                             wrong=sum(v == "wrong" for v in verdicts) if comparable else math.nan))
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        with running_server(model, limit=limit, log_path=log_path, extra=extra, tier=tier, route_replay=rp,
+                            threads=threads, cold=cold, startup_timeout_s=startup_timeout_s) as srv:
+            rows = _serve_clients(srv.url, rp, base, srv.startup_s, clients, n_prompt=n_prompt, n_gen=n_gen,
+                                  n_requests=n_requests, request_timeout_s=request_timeout_s)
+    except ServerExited as e:
+        info = parse_log(log_path.read_text(errors="replace"))
+        return [dict(base, **info, status=e.status, exit_code=e.exit_code, oom_kills=e.oom_kills, startup_s=math.nan)]
     info = parse_log(log_path.read_text(errors="replace"))
     kills = (limit.oom_kills() or 0) - (kills0 or 0) if limit is not None else 0
     peak = limit.peak_mib() if limit is not None else math.nan
     for r in rows:
-        r.update(info, oom_kills=kills, peak_mib=peak, exit_code=proc.returncode)
+        r.update(info, oom_kills=kills, peak_mib=peak, exit_code=srv.proc.returncode)
+    return rows
+
+
+def _serve_clients(url: str, rp: Path | None, base: dict, startup_s: float, clients: Sequence[int], *, n_prompt: int,
+                   n_gen: int, n_requests: int, request_timeout_s: float) -> list[dict]:
+    """The requests of :func:`run_server_point` on a healthy server: one row per entry of ``clients``."""
+    rows: list[dict] = []
+    reqs = [load.Request(f"p{i}", "completion", True, p, n_gen) for i, p in enumerate(prompts(n_requests, n_prompt))]
+    ref: list[load.Answer] = []
+    for n_clients in clients:
+        before = metrics(url)
+        load_1m = noise.load_average()
+        t1 = time.monotonic()
+        if n_clients == 1:
+            answers = [load.send(url, r, timeout_s=request_timeout_s) for r in reqs]
+            ref = answers
+        else:
+            answers = [None] * len(reqs)
+            errors: list[str] = []
+
+            def client(k: int) -> None:
+                for i in range(k, len(reqs), n_clients):
+                    try:
+                        answers[i] = load.send(url, reqs[i], timeout_s=request_timeout_s)
+                    except load.LoadError as e:
+                        errors.append(str(e))
+            threads_ = [threading.Thread(target=client, args=(k,)) for k in range(n_clients)]
+            for t in threads_:
+                t.start()
+            for t in threads_:
+                t.join()
+            if errors:
+                raise load.LoadError("; ".join(errors))
+        wall = time.monotonic() - t1
+        after = metrics(url)
+        # route replay steps one trace for every request the server runs, so the same prompt gets other
+        # experts when the requests interleave: its answers are not comparable, only its timings are
+        comparable = n_clients > 1 and rp is None
+        verdicts = [load.compare(a, b)[0] for a, b in zip(ref, answers)] if comparable else []
+        n_tok = sum(a.predicted_n for a in answers)
+        budget = after.get("llamacpp:moe_stream_budget_bytes", math.nan) / 2**20
+        rows.append(dict(base, clients=n_clients, status="ok", startup_s=startup_s, wall_s=wall, load_1m=load_1m,
+                         serving_budget_mb=budget,
+                         n_requests=len(reqs), n_prompt=n_prompt, n_gen=n_gen, tokens=n_tok,
+                         decode_ts=float(np.median([a.decode_ts for a in answers])) if n_clients == 1
+                         else n_tok / max(a.predicted_n / a.decode_ts for a in answers),
+                         wall_ts=n_tok / wall,
+                         ttft_s=float(np.median([a.first_s for a in answers])),
+                         hit_pct=_hit_pct(before, after),
+                         identical=sum(v == "identical" for v in verdicts) if comparable else math.nan,
+                         near_tie=sum(v == "near_tie" for v in verdicts) if comparable else math.nan,
+                         wrong=sum(v == "wrong" for v in verdicts) if comparable else math.nan))
     return rows

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pybmoe import models
-from pybmoe.bench import elastic, load
+from pybmoe.bench import elastic, load, server
 from pybmoe.engine import memlimit
 
 # test_serve_limit's model: 2 layers, 16 experts (top-3), 4 KiB of KV cache a token
@@ -122,7 +122,7 @@ def test_a_second_process_in_the_cgroup_makes_the_budget_yield_not_the_server_di
         return True
 
     with memlimit.MemoryLimit(limit) as lim:
-        with elastic.running_server(model, limit=lim, log_path=tmp_path / "server.log", extra=flags) as srv:
+        with server.running_server(model, limit=lim, log_path=tmp_path / "server.log", extra=flags) as srv:
             load.send(srv.url, load.Request("warm", "completion", False, tuple(range(3000, 3064)), 8), timeout_s=300)
             before = elastic.Sampler(srv.url).sample()
             got = load.send(srv.url, req, timeout_s=600, on_chunk=on_chunk)
@@ -143,7 +143,7 @@ def test_a_second_process_in_the_cgroup_makes_the_budget_yield_not_the_server_di
     assert after["grows"] + again["grows"] > before["grows"], (before, after, again)
     assert again["budget_mib"] >= before["budget_mib"] - 0.5, (before, again)
     # the answer is the stock engine's, without the tier and without a limit
-    with elastic.running_server(model, limit=None, log_path=tmp_path / "stock.log", tier=(),
+    with server.running_server(model, limit=None, log_path=tmp_path / "stock.log", tier=(),
                                 extra=[*flags, "--no-repack"]) as ref_srv:
         ref = load.send(ref_srv.url, req, timeout_s=600)
     assert got.ids == ref.ids and got.text == ref.text
