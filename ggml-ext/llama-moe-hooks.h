@@ -129,8 +129,9 @@ ggml_tensor * llama_moe_cache_bias(const llama_moe_vram_layer * l, ggml_tensor *
 
 typedef struct ggml_backend_sched * ggml_backend_sched_t;
 
-// before_ubatch marks a graph in flight; after_ubatch (ubatch nullptr when the graph failed) waits for
+// before_ubatch marks a graph in flight and gives route replay the ubatch's tokens (their sequences; n_seq_max:
+// the context's, the streams the trace is cut into); after_ubatch (ubatch nullptr when the graph failed) waits for
 // it, accounts its routing (and writes trace rows), publishes the uploads started after the previous
 // ubatch and starts new ones. Tables change only there.
-void llama_moe_cache_before_ubatch(const llama_model & model);
+void llama_moe_cache_before_ubatch(const llama_model & model, const llama_ubatch & ubatch, uint32_t n_seq_max);
 void llama_moe_cache_after_ubatch(const llama_model & model, ggml_backend_sched_t sched, const llama_ubatch * ubatch);

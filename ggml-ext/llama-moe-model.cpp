@@ -139,13 +139,18 @@ const llama_moe_tiers * llama_moe_cache_active(const llama_model & model) {
 // the step around each ubatch's graph
 //
 
-void llama_moe_cache_before_ubatch(const llama_model & model) {
+void llama_moe_cache_before_ubatch(const llama_model & model, const llama_ubatch & ubatch, uint32_t n_seq_max) {
     llama_moe_tiers * mc = model.moe_cache;
     if (mc == nullptr) {
         return;
     }
     if (mc->active()) {
         mc->graph_mutex.lock(); // released at the end of llama_moe_cache_after_ubatch
+    }
+    if (mc->replay.on()) {
+        // each token's replayed experts: its sequence's next token in the trace
+        std::lock_guard<std::mutex> lock(mc->mutex);
+        mc->replay.fill(ubatch, n_seq_max);
     }
     if (mc->stream.on()) {
         // the governor's turn, before this ubatch commits new KV cells (evict, then run)
@@ -197,7 +202,7 @@ static void llama_moe_cache_step(llama_moe_tiers * mc, ggml_backend_sched_t sche
     // compute returns; only a table publish must wait for the device graph (it reads the tables)
 
     if (mc->replay.on()) {
-        mc->replay.advance(ubatch->n_tokens);
+        mc->replay.advance(*ubatch);
     }
 
     auto & vram = mc->vram;

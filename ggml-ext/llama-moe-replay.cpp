@@ -5,6 +5,7 @@
 
 #include "llama-moe-model.h"
 
+#include "llama-batch.h"
 #include "llama-impl.h"
 #include "llama-model.h"
 
@@ -222,39 +223,78 @@ int32_t llama_moe_replay::open(const llama_model & model, const char * path, int
     this->path    = path;
     cursor  = 0;
     this->n_tok   = n_tok;
-    fill();
     LLAMA_LOG("%s: moe-route-replay: %d MoE layers take their experts from %s (%lld tokens, %lld layer rows "
             "filled from the previous token); the routing weights stay the router's\n", "llama_model_moe_route_replay_open", n_moe, path,
             (long long) n_tok, (long long) n_filled);
     return n_moe;
 }
 
-void llama_moe_replay::fill() {
+int64_t llama_moe_replay::token_of(size_t i, uint64_t j, uint32_t n_seq_max) const {
+    const uint64_t n    = (uint64_t) n_tok;
+    const uint64_t len  = std::max<uint64_t>(1, n / std::max<uint32_t>(1, n_seq_max)); // one stream's tokens
+    const uint64_t from = (uint64_t) i * len;
+    return (int64_t) ((from + j % len) % n);
+}
+
+size_t llama_moe_replay::stream_of(int32_t seq_id, uint32_t n_seq_max) {
+    for (size_t i = 0; i < seq_ids.size(); ++i) {
+        if (seq_ids[i] == seq_id) {
+            return i;
+        }
+    }
+    // more sequences than the context holds cannot run; a sequence past them shares the last stream
+    if (seq_ids.size() >= std::max<uint32_t>(1, n_seq_max)) {
+        return seq_ids.size() - 1;
+    }
+    seq_ids.push_back(seq_id);
+    seq_count.push_back(0);
+    return seq_ids.size() - 1;
+}
+
+void llama_moe_replay::fill(const llama_ubatch & ubatch, uint32_t n_seq_max) {
+    n_streams = std::max<uint32_t>(1, n_seq_max);
     const int64_t row = (int64_t) n_layer * n_used;
+    const int64_t n   = std::min<int64_t>((int64_t) ubatch.n_tokens, cap);
+    // the stream token of each row: a sequence's tokens in this ubatch follow each other in its stream
+    std::vector<int64_t>  tok(n);
+    std::vector<uint64_t> next(seq_count);
+    for (int64_t t = 0; t < n; ++t) {
+        const int32_t seq = ubatch.n_seq_id && ubatch.n_seq_id[t] > 0 ? ubatch.seq_id[t][0] : 0;
+        const size_t  i   = stream_of(seq, n_streams);
+        next.resize(seq_count.size(), 0);
+        tok[t] = token_of(i, next[i]++, n_streams);
+    }
     for (int32_t il = 0; il < (int32_t) tensor_of_il.size(); ++il) {
         if (tensor_of_il[il] < 0) {
             continue;
         }
         int32_t * dst = (int32_t *) tensors[tensor_of_il[il]]->data;
-        for (int64_t t = 0; t < cap; ++t) {
-            const int64_t tok = (int64_t) ((cursor + t) % (uint64_t) n_tok);
-            memcpy(dst + t * n_used, ids.data() + tok * row + (int64_t) il * n_used,
-                    n_used * sizeof(int32_t));
+        for (int64_t t = 0; t < n; ++t) {
+            memcpy(dst + t * n_used, ids.data() + tok[t] * row + (int64_t) il * n_used, n_used * sizeof(int32_t));
         }
     }
 }
 
-void llama_moe_replay::advance(int64_t n_tokens) {
-    // warn when this ubatch used a token of a later pass than the one before it did
-    const uint64_t n = (uint64_t) n_tok;
-    const uint64_t pass_before = cursor == 0 ? 0 : (cursor - 1) / n;
-    cursor += n_tokens;
-    if (n_tokens > 0 && (cursor - 1) / n > pass_before) {
-        LLAMA_LOG_WARN("%s: moe-route-replay: WARNING the trace %s ran out after %lld tokens; wrapping to its start "
-                "(pass %llu)\n", "llama_moe_replay_advance", path.c_str(), (long long) n_tok,
-                (unsigned long long) ((cursor - 1) / n) + 1);
+void llama_moe_replay::advance(const llama_ubatch & ubatch) {
+    const int64_t  n   = std::min<int64_t>((int64_t) ubatch.n_tokens, cap);
+    const uint64_t len = std::max<uint64_t>(1, (uint64_t) n_tok / n_streams);
+    cursor += (uint64_t) n;
+    for (int64_t t = 0; t < n; ++t) {
+        const int32_t seq = ubatch.n_seq_id && ubatch.n_seq_id[t] > 0 ? ubatch.seq_id[t][0] : 0;
+        const size_t  i   = stream_of(seq, n_streams);
+        if (++seq_count[i] == len + 1 && !wrapped) {
+            wrapped = true;
+            if (n_streams == 1) {
+                LLAMA_LOG_WARN("%s: moe-route-replay: WARNING the trace %s ran out after %lld tokens; wrapping to its start "
+                        "(pass 2)\n", "llama_moe_replay_advance", path.c_str(), (long long) n_tok);
+            } else {
+                LLAMA_LOG_WARN("%s: moe-route-replay: WARNING sequence %d used the %llu tokens of its stream of %s (the trace's "
+                        "%lld tokens cut into %u streams, one a sequence); wrapping to its start (a longer trace keeps "
+                        "them apart)\n", "llama_moe_replay_advance", seq, (unsigned long long) len, path.c_str(),
+                        (long long) n_tok, n_streams);
+            }
+        }
     }
-    fill();
 }
 
 ggml_tensor * llama_moe_replay::graph_ids(const llama_moe_log & log, ggml_context * ctx0, ggml_tensor * selected, int il,
