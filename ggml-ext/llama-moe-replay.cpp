@@ -253,8 +253,11 @@ size_t llama_moe_replay::stream_of(int32_t seq_id, uint32_t n_seq_max) {
 
 void llama_moe_replay::fill(const llama_ubatch & ubatch, uint32_t n_seq_max) {
     n_streams = std::max<uint32_t>(1, n_seq_max);
+    if ((int64_t) ubatch.n_tokens > cap) {
+        return; // not replayed (graph_ids keeps the router's routing), and no sequence moves on
+    }
     const int64_t row = (int64_t) n_layer * n_used;
-    const int64_t n   = std::min<int64_t>((int64_t) ubatch.n_tokens, cap);
+    const int64_t n   = (int64_t) ubatch.n_tokens;
     // the stream token of each row: a sequence's tokens in this ubatch follow each other in its stream
     std::vector<int64_t>  tok(n);
     std::vector<uint64_t> next(seq_count);
@@ -276,7 +279,10 @@ void llama_moe_replay::fill(const llama_ubatch & ubatch, uint32_t n_seq_max) {
 }
 
 void llama_moe_replay::advance(const llama_ubatch & ubatch) {
-    const int64_t  n   = std::min<int64_t>((int64_t) ubatch.n_tokens, cap);
+    if ((int64_t) ubatch.n_tokens > cap) {
+        return;
+    }
+    const int64_t  n   = (int64_t) ubatch.n_tokens;
     const uint64_t len = std::max<uint64_t>(1, (uint64_t) n_tok / n_streams);
     cursor += (uint64_t) n;
     for (int64_t t = 0; t < n; ++t) {

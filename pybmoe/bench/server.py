@@ -18,8 +18,11 @@ is not the model's own, ``--moe-route-replay``. It starts from a cold page cache
   their prompts), and ``wall_ts`` all generated tokens over the wall time from the first send to the
   last answer (prefill included; for one client, the same over its requests in turn); each answer is
   compared with its ``clients=1`` answer (:func:`pybmoe.bench.load.compare`: identical, or a
-  divergence at a near tie); with ``--moe-route-replay`` the answers are not compared (NaN): the trace
-  steps once for every token the server runs, so interleaved requests get other experts than alone.
+  divergence at a near tie); with ``--moe-route-replay`` the answers are not compared (NaN): each slot
+  replays its own stream of the trace (the trace cut into the server's ``-np`` streams, so concurrent
+  clients have independent routing, as real users do), from where that slot's last request left it, so
+  a request gets other experts than it got alone. ``client_decode_min_ts`` is the worst request's own
+  decode tok/s, ``ttft_s`` and ``ttft_max_s`` the median and the worst time to the first token.
 
 Every run records the context the server ran with (``n_ctx_slot``, ``n_slots``: the fit's line
 ``fit_line``), the budget it served with and the cache cycle (``budget_mb`` as set at load,
@@ -257,8 +260,8 @@ def _serve_clients(url: str, rp: Path | None, base: dict, startup_s: float, clie
                 raise load.LoadError("; ".join(errors))
         wall = time.monotonic() - t1
         after = metrics(url)
-        # route replay steps one trace for every request the server runs, so the same prompt gets other
-        # experts when the requests interleave: its answers are not comparable, only its timings are
+        # under route replay a request's experts come from its slot's stream, wherever that slot's earlier
+        # requests left it: its answers are not comparable, only its timings are
         comparable = n_clients > 1 and rp is None
         verdicts = [load.compare(a, b)[0] for a, b in zip(ref, answers)] if comparable else []
         n_tok = sum(a.predicted_n for a in answers)
@@ -269,7 +272,9 @@ def _serve_clients(url: str, rp: Path | None, base: dict, startup_s: float, clie
                          decode_ts=float(np.median([a.decode_ts for a in answers])) if n_clients == 1
                          else n_tok / max(a.predicted_n / a.decode_ts for a in answers),
                          wall_ts=n_tok / wall,
+                         client_decode_min_ts=float(min(a.decode_ts for a in answers)),
                          ttft_s=float(np.median([a.first_s for a in answers])),
+                         ttft_max_s=float(max(a.first_s for a in answers)),
                          hit_pct=_hit_pct(before, after),
                          identical=sum(v == "identical" for v in verdicts) if comparable else math.nan,
                          near_tie=sum(v == "near_tie" for v in verdicts) if comparable else math.nan,
