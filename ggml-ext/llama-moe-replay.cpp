@@ -1,6 +1,6 @@
 // pybmoe: route replay (--moe-route-replay FILE). See llama-moe-replay.h.
 //
-// Holds: the trace's parse and checks, the buffers that feed the graph, the cursor, and the C API
+// Holds: the trace's parse and checks, the buffers that feed the graph, the sequences' streams, and the C API
 // entry point. Must not hold: any tier's state or trace writing.
 
 #include "llama-moe-model.h"
@@ -221,7 +221,8 @@ int32_t llama_moe_replay::open(const llama_model & model, const char * path, int
     this->n_used  = n_used;
     cap     = n_ubatch;
     this->path    = path;
-    cursor  = 0;
+    seq_ids.clear();
+    seq_count.clear();
     this->n_tok   = n_tok;
     LLAMA_LOG("%s: moe-route-replay: %d MoE layers take their experts from %s (%lld tokens, %lld layer rows "
             "filled from the previous token); the routing weights stay the router's\n", "llama_model_moe_route_replay_open", n_moe, path,
@@ -234,6 +235,11 @@ int64_t llama_moe_replay::token_of(size_t i, uint64_t j, uint32_t n_seq_max) con
     const uint64_t len  = std::max<uint64_t>(1, n / std::max<uint32_t>(1, n_seq_max)); // one stream's tokens
     const uint64_t from = (uint64_t) i * len;
     return (int64_t) ((from + j % len) % n);
+}
+
+// the sequence of a ubatch's t-th token (its first, where it belongs to several)
+static int32_t llama_moe_replay_seq(const llama_ubatch & ubatch, int64_t t) {
+    return ubatch.n_seq_id && ubatch.n_seq_id[t] > 0 ? ubatch.seq_id[t][0] : 0;
 }
 
 size_t llama_moe_replay::stream_of(int32_t seq_id, uint32_t n_seq_max) {
@@ -262,8 +268,7 @@ void llama_moe_replay::fill(const llama_ubatch & ubatch, uint32_t n_seq_max) {
     std::vector<int64_t>  tok(n);
     std::vector<uint64_t> next(seq_count);
     for (int64_t t = 0; t < n; ++t) {
-        const int32_t seq = ubatch.n_seq_id && ubatch.n_seq_id[t] > 0 ? ubatch.seq_id[t][0] : 0;
-        const size_t  i   = stream_of(seq, n_streams);
+        const size_t i = stream_of(llama_moe_replay_seq(ubatch, t), n_streams);
         next.resize(seq_count.size(), 0);
         tok[t] = token_of(i, next[i]++, n_streams);
     }
@@ -284,9 +289,8 @@ void llama_moe_replay::advance(const llama_ubatch & ubatch) {
     }
     const int64_t  n   = (int64_t) ubatch.n_tokens;
     const uint64_t len = std::max<uint64_t>(1, (uint64_t) n_tok / n_streams);
-    cursor += (uint64_t) n;
     for (int64_t t = 0; t < n; ++t) {
-        const int32_t seq = ubatch.n_seq_id && ubatch.n_seq_id[t] > 0 ? ubatch.seq_id[t][0] : 0;
+        const int32_t seq = llama_moe_replay_seq(ubatch, t);
         const size_t  i   = stream_of(seq, n_streams);
         if (++seq_count[i] == len + 1 && !wrapped) {
             wrapped = true;

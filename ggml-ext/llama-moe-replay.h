@@ -11,7 +11,7 @@
 // whole trace from its first token, as before.
 //
 // Holds: the trace's ids (parsed and checked at open), the host tensors that feed the next tokens'
-// ids to the graph, and the cursor.
+// ids to the graph, and each sequence's place in its stream.
 // Must not hold: any tier's state, or trace writing (llama-moe-trace.h).
 
 #include "ggml-cpp.h"
@@ -36,7 +36,6 @@ struct llama_moe_replay {
     int64_t  cap     = 0;
     int32_t  n_layer = 0;
     int32_t  n_used  = 0;
-    uint64_t cursor  = 0; // tokens replayed so far, every sequence together
     std::vector<int32_t>  seq_ids;   // the sequences replayed so far, in the order first seen (stream i: seq_ids[i])
     std::vector<uint64_t> seq_count; // tokens each of them replayed so far
     std::string path;
