@@ -92,17 +92,9 @@ class MemoryLimit:
         return read_oom_kills(self.path, self.v1)
 
     def stat_mib(self) -> dict[str, float]:
-        """The cgroup's memory now, MiB, from its ``memory.stat``: ``anon`` (v1 ``total_rss``, v2
-        ``anon``) and ``mapped`` (file pages mapped into its processes: v1 ``total_mapped_file``, v2
-        ``file_mapped``). Raises :class:`OSError` when the file cannot be read."""
-        d = {}
-        for line in (self.path / "memory.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if value.strip().isdigit():
-                d[key] = int(value) / 2**20
-        if self.v1:
-            return {"anon": d.get("total_rss", 0.0), "mapped": d.get("total_mapped_file", 0.0)}
-        return {"anon": d.get("anon", 0.0), "mapped": d.get("file_mapped", 0.0)}
+        """The cgroup's memory now, MiB (:func:`read_stat_mib`). Raises :class:`OSError` when its
+        ``memory.stat`` cannot be read."""
+        return read_stat_mib(self.path, self.v1)
 
     def reset_peak(self) -> None:
         """Starts a new peak (v1 only; v2 keeps the peak of the cgroup's life)."""
@@ -137,6 +129,20 @@ def read_oom_kills(path: Path, v1: bool) -> int | None:
     except OSError:
         pass
     return None
+
+
+def read_stat_mib(path: Path, v1: bool) -> dict[str, float]:
+    """The memory of the cgroup folder ``path`` now, MiB, from its ``memory.stat``: ``anon`` (v1
+    ``total_rss``, v2 ``anon``) and ``mapped`` (file pages mapped into its processes: v1
+    ``total_mapped_file``, v2 ``file_mapped``). Raises :class:`OSError` when the file cannot be read."""
+    d = {}
+    for line in (Path(path) / "memory.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            d[key] = int(value) / 2**20
+    if v1:
+        return {"anon": d.get("total_rss", 0.0), "mapped": d.get("total_mapped_file", 0.0)}
+    return {"anon": d.get("anon", 0.0), "mapped": d.get("file_mapped", 0.0)}
 
 
 _LOW_BIT = bytes(b & 1 for b in range(256))

@@ -2,7 +2,7 @@
 
 The oracles are the kernel's own counts, not the engine's:
 
-- a context's committed memory is the cgroup's anonymous memory (``memory.stat``: v1 ``rss``, v2
+- a context's committed memory is the cgroup's anonymous memory (``memory.stat``: v1 ``total_rss``, v2
   ``anon``) before and after its cells fill: under the elastic plan a 32768-token context costs nothing at
   creation and what its filled cells hold after; the static plan (``PYBMOE_MOE_STREAM_ELASTIC=0``) pays
   the whole capacity at creation;
@@ -34,14 +34,13 @@ KV_PER_TOKEN = 2 * 2 * 4 * 128 * 2  # layers x (K, V) x heads x head_dim x F16
 CHILD = r"""
 import json, sys
 from pathlib import Path
-from pybmoe.engine import bindings
+from pybmoe.engine import bindings, memlimit
 import llama_cpp
 
 model, cgroup, n_fill = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 
 def anon():
-    d = dict(ln.split()[:2] for ln in (cgroup / "memory.stat").read_text().splitlines())
-    return int(d["rss"] if "rss" in d else d["anon"])
+    return memlimit.read_stat_mib(cgroup, memlimit.V1_ROOT.is_dir())["anon"] * 2**20
 
 llm = bindings.Llama(model, n_ctx=32768, moe_stream_cache_mb="auto", n_gpu_layers=0, n_ubatch=512, n_batch=512,
                      verbose=False, seed=0, flash_attn=True)
